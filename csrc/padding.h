@@ -1,0 +1,66 @@
+// The padding shim: zero keys/values up to a multiple of the cuDNN key tile,
+// hidden by the mask, so that the padded call computes exactly what the
+// unpadded call computes.
+//
+// Why: cuDNN's SDPA backward on sm90 (cuDNN < 9.26, cudnn-frontend #160) scores
+// the out-of-range key rows of the last 128-row tile as 0 instead of -inf; for
+// a query row with logsumexp < -88.7 that overflows to inf and inf * 0 writes
+// NaN into dQ. With s_kv a multiple of 128 there is no out-of-range row.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <optional>
+#include <tuple>
+
+namespace openwam {
+
+// The cuDNN backward walks keys in tiles of this many rows.
+constexpr int64_t kCudnnKeyTile = 128;
+
+// Smallest multiple of `multiple` that is >= `length`.
+int64_t padded_length(int64_t length, int64_t multiple);
+
+// `t` grown along `dim` to `new_length`, the new entries set to `fill`.
+// The physical layout is kept: the buffer has the stride order of `t` (a BSHD
+// buffer viewed as BHSD stays BSHD) and stride-0 (broadcast) axes other than
+// `dim` stay broadcast. The original entries are written with copy_ into the
+// buffer, only the tail is filled. Returns `t` itself when nothing grows.
+at::Tensor pad_dim(const at::Tensor& t, int64_t dim, int64_t new_length,
+                   const c10::Scalar& fill);
+
+// Additive attention bias in `dtype` for a mask as F.sdpa takes it: a bool
+// mask becomes 0 where True and -inf where False (stock F.sdpa's cuDNN path
+// uses -65504 instead, which lets fully masked rows attend to every key); an
+// additive mask is cast to `dtype`. Broadcast shapes are kept, not expanded.
+at::Tensor additive_bias(const at::Tensor& mask, at::ScalarType dtype);
+
+// The shim. key/value: [..., S, E]; attn_mask broadcastable to
+// [..., L, S] (bool or additive) or absent. Returns (key, value, mask) with S
+// grown to padded_length(S, multiple): keys and values zero in the tail, the
+// mask False (bool) or -inf (additive) there; with no mask, a new bool
+// key-padding mask of shape [1, S_padded]. A mask that broadcasts along the key
+// axis (size 1 there) is materialised along that axis only.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pad_keys(
+    const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask, int64_t multiple);
+
+}  // namespace openwam
+
+namespace openwam {
+
+// Keys/values/mask of an attention call padded for it: like pad_keys, but a
+// causal call gets its causal mask folded into the returned mask (top-left
+// aligned, as F.sdpa's is_causal), since a mask and is_causal cannot be
+// combined. `mask` broadcasts to [..., L, S_padded]; it is bool unless
+// attn_mask was additive.
+struct PaddedKeys {
+  at::Tensor key;
+  at::Tensor value;
+  at::Tensor mask;
+};
+PaddedKeys pad_keys_for_call(const at::Tensor& query, const at::Tensor& key,
+                             const at::Tensor& value,
+                             const std::optional<at::Tensor>& attn_mask,
+                             bool is_causal);
+
+}  // namespace openwam
