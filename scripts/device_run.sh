@@ -1,0 +1,227 @@
+#!/usr/bin/env bash
+# The one script for the H200 device machine (torch 2.11+cu130, nvcc 13.0, no
+# network). Run from the repository root there, carrying .deps (the Catch2 .deb):
+#
+#   run(command="bash scripts/device_run.sh", carry=[".deps"])
+#   run(command="bash scripts/device_run.sh build tests", carry=[".deps"])   # no benchmark
+#   run(command="PYTEST_ARGS='-k adversarial' bash scripts/device_run.sh gpu")
+#
+# Parts (default: build tests bench):
+#   build   the extension: pip install --no-build-isolation --no-deps -e .
+#           (on a warm machine that already has it: incremental build_ext)
+#   ctest   CMake build of the op library + Catch2 tests, then ctest
+#   cpu     python -m pytest -q tests --ignore=tests/gpu   (the CPU suite)
+#   gpu     python -m pytest -q tests/gpu
+#   tests   = ctest cpu gpu
+#   bench   python benchmarks/bench_sdpa.py --out $OUT/bench $BENCH_ARGS
+# A test part on a machine without the built extension builds it first.
+#
+# Files under $OUT (at most 8 come back): build.log (extension + CMake build),
+# tests.log (ctest and both pytest runs), gpu_suite_results.{json,md} (written
+# by tests/gpu/conftest.py), bench/bench.{json,md,png}. With JUNIT=1 also
+# pytest_gpu.xml (then 9 files with a full run: leave out a part).
+# The summary table is printed last. The whole run stops itself before
+# DEVICE_BUDGET_S seconds (default 560; the tool's limit is 600): parts that
+# no longer fit are reported as "skipped (time)".
+#
+# Environment: PYTEST_ARGS (extra args for both pytest runs), BENCH_ARGS,
+#   TORCH_CUDA_ARCH_LIST (default 9.0), MAX_JOBS (default: cores),
+#   FULL_BUILD=1 (always the pip build), JUNIT=1, DEVICE_BUDGET_S.
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$PWD
+T0=$SECONDS
+BUDGET=${DEVICE_BUDGET_S:-560}
+OUT=${OUT:-$ROOT/build/device-out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1   # nothing outside can be reached
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+export OUT
+BUILD_LOG=$OUT/build.log
+TESTS_LOG=$OUT/tests.log
+CMAKE_DIR=$ROOT/build/cmake-device
+: >"$BUILD_LOG"
+
+say() { echo "[$(printf '%4d' $((SECONDS - T0)))s] $*"; }
+left() { echo $((BUDGET - (SECONDS - T0))); }
+# run_limited CAP LOG CMD...: CMD with a time limit of min(CAP, time left - 15 s),
+# its output appended to LOG. Returns CMD's status, 124 on timeout, 125 if no
+# time was left to start it.
+run_limited() {
+  local cap=$1 log=$2; shift 2
+  local lim=$(( $(left) - 15 ))
+  ((lim > cap)) && lim=$cap
+  if ((lim < 20)); then echo "(skipped: no time left)" >>"$log"; return 125; fi
+  timeout --kill-after=10 "$lim" "$@" >>"$log" 2>&1
+}
+section() { printf '\n===== %s =====\n' "$*" >>"$1"; }
+
+# ------------------------------------------------------------ which parts
+parts=("$@")
+((${#parts[@]})) || parts=(build tests bench)
+want_build=0 want_ctest=0 want_cpu=0 want_gpu=0 want_bench=0
+for p in "${parts[@]}"; do
+  case $p in
+    build) want_build=1 ;;
+    ctest|cpp) want_ctest=1 ;;
+    cpu) want_cpu=1 ;;
+    gpu) want_gpu=1 ;;
+    tests) want_ctest=1 want_cpu=1 want_gpu=1 ;;
+    bench) want_bench=1 ;;
+    all) want_build=1 want_ctest=1 want_cpu=1 want_gpu=1 want_bench=1 ;;
+    *) echo "device_run.sh: unknown part '$p' (build ctest cpu gpu tests bench all)"; exit 2 ;;
+  esac
+done
+
+# ------------------------------------------------------------ environment
+"$PY" - <<'EOF' 2>&1 | tee -a "$BUILD_LOG"
+import sys, torch
+cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO GPU"
+print(f"python {sys.version.split()[0]} ({sys.executable}), torch {torch.__version__}, "
+      f"cuda {torch.version.cuda}, cudnn {cudnn}, {gpu}")
+EOF
+command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
+say "nvcc $(nvcc --version 2>/dev/null | grep -oE 'release [0-9.]+' || echo 'NOT FOUND'), \
+cmake $(cmake --version 2>/dev/null | head -1 | grep -oE '[0-9.]+$'), $(nproc) cores, \
+TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, parts: ${parts[*]}"
+
+st_build="-" st_ctest="-" st_cpu="-" st_gpu="-" st_bench="-" build_s="-"
+
+ext_importable() {
+  (cd /tmp && "$PY" -c 'import openwam_sdpa._C' >/dev/null 2>&1)
+}
+
+# ------------------------------------------------------------ build
+do_build() {
+  local t=$SECONDS rc loc
+  loc=$(cd /tmp && "$PY" -c 'import importlib.util as u; s=u.find_spec("openwam_sdpa"); print(s.submodule_search_locations[0] if s else "")' 2>/dev/null)
+  if [[ "${FULL_BUILD:-0}" == "0" && "$loc" == "$ROOT/python/openwam_sdpa" ]] && ext_importable; then
+    section "$BUILD_LOG" "extension: incremental build_ext --inplace (editable install present)"
+    say "build: incremental (MAX_JOBS=$MAX_JOBS)"
+    run_limited 420 "$BUILD_LOG" "$PY" setup.py build_ext --inplace --build-temp build/py
+  else
+    section "$BUILD_LOG" "extension: pip install --no-build-isolation --no-deps -e ."
+    say "build: pip install --no-build-isolation --no-deps -e . (MAX_JOBS=$MAX_JOBS)"
+    run_limited 420 "$BUILD_LOG" "$PY" -m pip install --no-build-isolation --no-deps -v -e .
+  fi
+  rc=$?
+  build_s=$((SECONDS - t))
+  if ((rc == 0)) && ext_importable; then
+    st_build="ok (${build_s}s)"
+  else
+    st_build="FAILED (rc $rc, ${build_s}s)"
+    grep -E -A6 'error|Error' "$BUILD_LOG" | head -40
+    section "$BUILD_LOG" "import check"
+    (cd /tmp && "$PY" -c 'import openwam_sdpa._C') >>"$BUILD_LOG" 2>&1
+  fi
+  say "build: $st_build"
+}
+if ((want_build)) || { ((want_cpu || want_gpu || want_bench)) && ! ext_importable; }; then
+  do_build
+fi
+
+# ------------------------------------------------------------ cmake + ctest
+if ((want_ctest)); then
+  cmake_args=(-S "$ROOT" -B "$CMAKE_DIR" -DCMAKE_BUILD_TYPE=Release -DOPENWAM_PYTHON="$(command -v "$PY")")
+  [[ -f "$CMAKE_DIR/CMakeCache.txt" ]] || cmake_args+=(-G Ninja)
+  deb=$(ls "$ROOT"/.deps/catch2_*.deb 2>/dev/null | head -1)
+  if [[ -n "$deb" ]]; then
+    rm -rf /tmp/catch2 && dpkg -x "$deb" /tmp/catch2 && cmake_args+=(-DCMAKE_PREFIX_PATH=/tmp/catch2/usr)
+  elif [[ ! -f /usr/include/catch2/catch.hpp ]]; then
+    say "ctest: no .deps/catch2_*.deb (carry .deps) and no system Catch2: configure will fail"
+  fi
+  section "$BUILD_LOG" "cmake configure + build ($CMAKE_DIR)"
+  say "ctest: cmake configure + build"
+  t=$SECONDS
+  if run_limited 60 "$BUILD_LOG" cmake "${cmake_args[@]}" &&
+     run_limited 360 "$BUILD_LOG" cmake --build "$CMAKE_DIR" -j "$MAX_JOBS"; then
+    section "$TESTS_LOG" "ctest"
+    say "ctest: built in $((SECONDS - t))s; running"
+    tmp=$(mktemp)
+    (cd "$CMAKE_DIR" && run_limited 120 "$tmp" ctest --output-on-failure -j 8)
+    rc=$?
+    cat "$tmp" >>"$TESTS_LOG"
+    line=$(grep -E 'tests passed|No tests were found' "$tmp" | tail -1)
+    ((rc == 0)) || grep -E 'Failed|\*\*\*' "$tmp" | head -15
+    rm -f "$tmp"
+    if ((rc == 0)) && [[ "$line" == *"tests passed"* ]]; then
+      st_ctest="ok: ${line}"
+    else
+      st_ctest="FAILED (rc $rc): ${line:-no summary}"
+    fi
+  else
+    st_ctest="FAILED: cmake configure/build (build.log)"
+    grep -E -A6 'error|Error' "$BUILD_LOG" | tail -40
+  fi
+  say "ctest: $st_ctest"
+fi
+
+# ------------------------------------------------------------ pytest
+# pytest_part NAME CAP ARGS...: runs pytest, sets REPLY to its status text.
+pytest_part() {
+  local name=$1 cap=$2 rc line tmp; shift 2
+  tmp=$(mktemp)
+  section "$TESTS_LOG" "pytest $name: python -m pytest -q $* ${PYTEST_ARGS:-}"
+  say "pytest $name: $*"
+  # shellcheck disable=SC2086
+  run_limited "$cap" "$tmp" "$PY" -m pytest -q -rfE "$@" ${PYTEST_ARGS:-}
+  rc=$?
+  cat "$tmp" >>"$TESTS_LOG"
+  line=$(grep -E '^=*\s*([0-9]+ (passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)|no tests ran)' \
+         "$tmp" | tail -1 | sed -E 's/^=+ //; s/ =+$//')
+  case $rc in
+    0) REPLY="ok: $line" ;;
+    124|137) REPLY="TIMEOUT after ${cap}s cap: ${line:-no summary}" ;;
+    125) REPLY="skipped (time)" ;;
+    5) REPLY="no tests collected" ;;
+    *) REPLY="FAILED (rc $rc): ${line:-no summary}"
+       grep -E '^(FAILED|ERROR) ' "$tmp" | head -15 ;;
+  esac
+  rm -f "$tmp"
+  say "pytest $name: $REPLY"
+}
+if ((want_cpu)); then pytest_part cpu 180 tests --ignore=tests/gpu; st_cpu=$REPLY; fi
+if ((want_gpu)); then
+  junit=()
+  [[ "${JUNIT:-0}" == "1" ]] && junit=(--junitxml="$OUT/pytest_gpu.xml")
+  pytest_part gpu 300 tests/gpu "${junit[@]}"; st_gpu=$REPLY
+fi
+
+# ------------------------------------------------------------ benchmark
+if ((want_bench)); then
+  if [[ -f benchmarks/bench_sdpa.py ]]; then
+    mkdir -p "$OUT/bench"
+    section "$TESTS_LOG" "bench: python benchmarks/bench_sdpa.py --out $OUT/bench ${BENCH_ARGS:-}"
+    say "bench: running (log in tests.log)"
+    # shellcheck disable=SC2086
+    run_limited 300 "$TESTS_LOG" "$PY" benchmarks/bench_sdpa.py --out "$OUT/bench" ${BENCH_ARGS:-}
+    rc=$?
+    produced=$(ls "$OUT/bench" 2>/dev/null | tr '\n' ' ')
+    case $rc in
+      0) st_bench="ok: ${produced:-NOTHING WRITTEN}" ;;
+      124|137) st_bench="TIMEOUT: ${produced:-nothing written}" ;;
+      125) st_bench="skipped (time)" ;;
+      *) st_bench="FAILED (rc $rc): ${produced:-nothing written}" ;;
+    esac
+  else
+    st_bench="no benchmarks/bench_sdpa.py"
+  fi
+  say "bench: $st_bench"
+fi
+
+# ------------------------------------------------------------ summary (last)
+nfiles=$(find "$OUT" -type f | wc -l)
+echo
+echo "==================== device_run summary ($((SECONDS - T0))s) ===================="
+printf '%-7s %s\n' build "$st_build" ctest "$st_ctest" cpu "$st_cpu" gpu "$st_gpu" bench "$st_bench"
+printf '%-7s %s\n' files "$nfiles under \$OUT$( ((nfiles > 8)) && echo ' (OVER 8: some will not come back)')"
+fail=0
+for s in "$st_build" "$st_ctest" "$st_cpu" "$st_gpu" "$st_bench"; do
+  [[ "$s" == "-" || "$s" == ok* || "$s" == "no benchmarks"* ]] || fail=1
+done
+exit $fail

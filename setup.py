@@ -1,0 +1,179 @@
+# Builds the Python extension openwam_sdpa._C against the torch that is
+# already installed. Build with
+#     pip install --no-build-isolation .        (or -e .)
+# Build isolation would compile against a second, freshly downloaded torch and
+# the extension would then fail to load (undefined symbols) in the real one.
+#
+# Environment knobs:
+#   TORCH_CUDA_ARCH_LIST   CUDA targets (default "8.0;9.0;10.0"; sm90 matters)
+#   OPENWAM_SDPA_NO_CUDA=1 build the CPU-only extension even on a CUDA torch
+#   OPENWAM_SDPA_CXX_STD   force the C++ standard (17 or 20)
+#   OPENWAM_SDPA_DEBUG=1   keep debug info (-g; host code at -O0)
+#   MAX_JOBS               parallel compile jobs (ninja)
+#   CUDA_HOME              the CUDA toolkit (else /usr/local/cuda, else nvcc on PATH)
+import glob
+import os
+import re
+import shutil
+import sys
+
+from setuptools import find_packages, setup
+
+try:
+    import torch
+except ImportError as e:  # pragma: no cover - only hit on a broken setup
+    sys.exit(
+        "openwam_sdpa builds against the installed torch; install torch first, "
+        "then `pip install --no-build-isolation .` "
+        f"(import torch failed: {e})"
+    )
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CUDA_ARCH_LIST = "8.0;9.0;10.0"
+
+
+def _rel(paths):
+    # setuptools wants source paths relative to setup.py.
+    return sorted(os.path.relpath(p, ROOT) for p in paths)
+
+
+def _find_cuda_home():
+    """The CUDA toolkit root holding nvcc and the CUDA headers, or None.
+
+    Resolved before torch.utils.cpp_extension is imported, because that module
+    fixes CUDA_HOME at import time and, when nvcc on PATH is a wrapper script
+    (/usr/local/bin/nvcc here), guesses /usr/local, which has no CUDA headers.
+    """
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
+                  "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    for home in candidates:
+        if (home and os.path.exists(os.path.join(home, "bin", "nvcc"))
+                and os.path.exists(os.path.join(home, "include", "cuda_runtime.h"))):
+            return home
+    return None
+
+
+def _pip_cuda_header_dirs(cuda_home):
+    """-isystem dirs for CUDA library headers the toolkit lacks.
+
+    ATen/cuda/CUDAContext.h includes cusparse.h, cublas_v2.h, cublasLt.h and
+    cusolverDn.h. A minimal toolkit (nvcc + cudart only, as on the dev boxes)
+    does not ship them, but the nvidia-* wheels torch depends on do
+    (site-packages/nvidia/cu13/include, or nvidia/<lib>/include for CUDA 12).
+    -isystem is searched after every -I, so the toolkit's own headers win.
+    """
+    needed = ("cusparse.h", "cublas_v2.h", "cublasLt.h", "cusolverDn.h")
+    if all(os.path.exists(os.path.join(cuda_home, "include", h)) for h in needed):
+        return []
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("nvidia")
+    except (ImportError, ValueError):
+        spec = None
+    roots = list(spec.submodule_search_locations) if spec and spec.submodule_search_locations else []
+    dirs = []
+    for root in roots:
+        for inc in sorted(glob.glob(os.path.join(root, "*", "include"))):
+            if any(os.path.exists(os.path.join(inc, h)) for h in needed):
+                dirs.append(inc)
+    return dirs
+
+
+def _cxx_standard():
+    """17 if the installed torch headers accept C++17, else 20.
+
+    ATen/ATen.h states its minimum (`__cplusplus < 201703L` up to torch 2.13,
+    `< 202002L` from torch 2.14 on, which then #errors under C++17).
+    """
+    forced = os.environ.get("OPENWAM_SDPA_CXX_STD")
+    if forced:
+        if forced not in ("17", "20"):
+            sys.exit(f"OPENWAM_SDPA_CXX_STD must be 17 or 20, got {forced!r}")
+        return forced
+    header = os.path.join(os.path.dirname(torch.__file__), "include", "ATen", "ATen.h")
+    try:
+        with open(header) as f:
+            m = re.search(r"__cplusplus\s*<\s*(\d{6})L", f.read())
+    except OSError:
+        m = None
+    if m is None:
+        return "20"  # unknown layout: the newer standard is the safe guess
+    return "17" if int(m.group(1)) <= 201703 else "20"
+
+
+want_cuda = bool(torch.version.cuda) and os.environ.get("OPENWAM_SDPA_NO_CUDA", "0") in ("", "0")
+cuda_home = _find_cuda_home() if want_cuda else None
+if want_cuda and cuda_home is None:
+    print(
+        "openwam_sdpa: WARNING: torch was built with CUDA "
+        f"{torch.version.cuda} but no CUDA toolkit (nvcc + headers) was found; "
+        "set CUDA_HOME. Building the CPU-only extension (no CUDA kernels).",
+        file=sys.stderr,
+    )
+with_cuda = cuda_home is not None
+if with_cuda:
+    os.environ["CUDA_HOME"] = cuda_home
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCH_LIST)
+
+# Imported only now: it reads CUDA_HOME at import time.
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+std = _cxx_standard()
+sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "*.cpp"))) + [
+    os.path.join("csrc", "python", "module.cpp")
+]
+debug = os.environ.get("OPENWAM_SDPA_DEBUG", "0") not in ("", "0")
+# Python's sysconfig adds -g; -g0 (later on the line, so it wins) cuts compile
+# time by about a quarter and the .so from ~30 MB to ~2 MB.
+cxx_flags = ["-O3", f"-std=c++{std}"] + (["-g", "-O0"] if debug else ["-g0"])
+if std == "17":
+    # torch 2.13 headers use C++20 bit-field initialisers, which GCC and clang
+    # accept in C++17 mode with a warning in every translation unit.
+    cxx_flags.append("-Wno-c++20-extensions")
+define_macros = []
+ext_kwargs = dict(
+    include_dirs=[os.path.join(ROOT, "csrc")],
+    define_macros=define_macros,
+)
+
+if with_cuda:
+    sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+    define_macros.append(("OPENWAM_WITH_CUDA", None))
+    # define_macros reach nvcc too; -lineinfo only maps SASS to source lines
+    # for ncu / compute-sanitizer and does not change the generated code.
+    nvcc_flags = ["-O3", f"-std=c++{std}", "-lineinfo"]
+    for inc in _pip_cuda_header_dirs(cuda_home):
+        cxx_flags += ["-isystem", inc]
+        nvcc_flags += ["-isystem", inc]
+    ext = CUDAExtension(
+        name="openwam_sdpa._C",
+        sources=sources,
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+        **ext_kwargs,
+    )
+else:
+    ext = CppExtension(
+        name="openwam_sdpa._C",
+        sources=sources,
+        extra_compile_args={"cxx": cxx_flags},
+        **ext_kwargs,
+    )
+
+print(
+    f"openwam_sdpa: torch {torch.__version__}, "
+    + (f"CUDA build ({cuda_home}, arch {os.environ['TORCH_CUDA_ARCH_LIST']})"
+       if with_cuda else "CPU-only build")
+    + f", C++{std}",
+    file=sys.stderr,
+)
+
+setup(
+    packages=sorted({"openwam_sdpa", *find_packages("python")}),
+    package_dir={"": "python"},
+    ext_modules=[ext],
+    cmdclass={"build_ext": BuildExtension},
+    zip_safe=False,
+)

@@ -1,0 +1,130 @@
+"""openwam_sdpa computes what stock cuDNN computes, bit for bit, wherever the
+defect cannot strike: the forward always (the fix lives in the backward), and
+the gradients on ordinary inputs (the dQ repair only touches rows whose
+logsumexp is very negative).
+
+Stock means F.sdpa forced onto cuDNN. Stock turns a bool mask into -65504
+where openwam uses -inf; on rows with at least one visible key both give
+exactly zero weight to hidden keys, so the masks here have no empty row.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from .conftest import (
+    GPU_MARKS,
+    MASK_KINDS,
+    MEASURED_CUDNN,
+    SDPBackend,
+    adversarial_qkv,
+    cudnn_version,
+    make_mask,
+    random_qkv,
+    run,
+    sdpa_kernel,
+    stock_cudnn,
+    upstream_grad,
+)
+
+pytestmark = GPU_MARKS
+
+B, H, S_Q, D = 2, 4, 256, 128
+MASKED = ("bool", "additive")
+
+
+def stock_forward(q, k, v, mask):
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("pad", ["auto", "always"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("mask_kind", MASKED)
+@pytest.mark.parametrize("s_kv", [192, 392, 704])
+def test_forward_bit_identical_when_differentiated(s_kv, mask_kind, layout, pad, ow, settings):
+    """A differentiated call (its backward will be fixed) returns stock's
+    forward output exactly, even on inputs the fix will repair."""
+    settings(cudnn="1", pad=pad)
+    q, k, v = adversarial_qkv(B, H, S_Q, s_kv, D, (7,), layout=layout, seed=s_kv)
+    mask = make_mask(mask_kind, B, S_Q, s_kv, seed=s_kv + 1)
+    ours = ow.sdpa(q, k, v, attn_mask=mask)
+    assert ours.requires_grad
+    stock = stock_forward(q, k, v, mask)
+    assert torch.equal(ours, stock), f"max diff {(ours.float() - stock.float()).abs().max():.3e}"
+
+
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("mask_kind", MASKED)
+@pytest.mark.parametrize("s_kv", [192, 704])
+def test_forward_bit_identical_under_no_grad(s_kv, mask_kind, context, ow, settings):
+    """(i) Inputs that require grad, called under torch.no_grad() (and
+    torch.inference_mode()): nothing is differentiated, no fix applies."""
+    settings(cudnn="1")
+    q, k, v = random_qkv(B, H, S_Q, s_kv, D, seed=s_kv, requires_grad=True)
+    mask = make_mask(mask_kind, B, S_Q, s_kv, seed=s_kv + 1)
+    guard = torch.no_grad if context == "no_grad" else torch.inference_mode
+    with guard():
+        info = ow.explain(q, k, v, attn_mask=mask)
+        ours = ow.sdpa(q, k, v, attn_mask=mask)
+        stock = stock_forward(q, k, v, mask)
+    assert info["backend"] == "cudnn" and info["plan"] == "none", info
+    assert not ours.requires_grad
+    assert torch.equal(ours, stock), f"max diff {(ours.float() - stock.float()).abs().max():.3e}"
+
+
+@pytest.mark.parametrize("mask_kind", MASKED)
+@pytest.mark.parametrize("s_kv", [192, 704])
+def test_forward_bit_identical_without_requires_grad(s_kv, mask_kind, ow, settings):
+    """(ii) Grad mode on, but no input requires grad."""
+    settings(cudnn="1")
+    assert torch.is_grad_enabled()
+    q, k, v = random_qkv(B, H, S_Q, s_kv, D, seed=s_kv, requires_grad=False)
+    mask = make_mask(mask_kind, B, S_Q, s_kv, seed=s_kv + 1)
+    info = ow.explain(q, k, v, attn_mask=mask)
+    ours = ow.sdpa(q, k, v, attn_mask=mask)
+    stock = stock_forward(q, k, v, mask)
+    assert info["backend"] == "cudnn" and info["plan"] == "none", info
+    assert not ours.requires_grad
+    assert torch.equal(ours, stock), f"max diff {(ours.float() - stock.float()).abs().max():.3e}"
+
+
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("s_kv", [64, 192, 704])
+def test_gradients_bit_identical_on_ordinary_inputs(s_kv, mask_kind, ow, settings):
+    """At s_kv % 128 == 64 (where the auto plan repairs dQ on cuDNN 9.19) and
+    ordinary inputs (no row near the threshold): dQ, dK and dV equal stock
+    cuDNN's bit for bit.
+
+    cuDNN accumulates dQ over key tiles with atomics, so stock's own dQ need
+    not repeat bit for bit once there are three or more key tiles (704 has
+    six); with one or two tiles (64, 192) the fp32 sums are order-free. A
+    gradient that stock itself does not reproduce between two identical
+    calls is reported as a skip after the others were checked."""
+    settings(cudnn="1", pad="auto")
+    q, k, v = random_qkv(B, H, S_Q, s_kv, D, seed=s_kv + 11)
+    go = upstream_grad(q.shape, seed=s_kv + 12)
+    mask = make_mask(mask_kind, B, S_Q, s_kv, seed=s_kv + 13)
+    info = ow.explain(q, k, v, attn_mask=mask)
+    assert info["backend"] == "cudnn", info
+    if cudnn_version() == MEASURED_CUDNN:
+        assert info["plan"] == "repair_dq", info
+    ours = run(ow.sdpa, q, k, v, go, attn_mask=mask)
+    first = stock_cudnn(q, k, v, go, attn_mask=mask)
+    second = stock_cudnn(q, k, v, go, attn_mask=mask)
+    assert first is not None and second is not None
+    assert torch.equal(ours.out, first.out)
+    not_reproducible = []
+    for name in ("dq", "dk", "dv"):
+        a, b, mine = getattr(first, name), getattr(second, name), getattr(ours, name)
+        if not torch.equal(a, b):
+            not_reproducible.append(name)
+            continue
+        diff = (mine.float() - a.float()).abs().max()
+        assert torch.equal(mine, a), f"{name} differs from stock cuDNN: max diff {diff:.3e}"
+    if not_reproducible:
+        pytest.skip(f"stock cuDNN's own {', '.join(not_reproducible)} differ between two "
+                    f"identical calls at s_kv={s_kv} (atomic accumulation); the other "
+                    f"gradients and the output matched bit for bit")

@@ -1,0 +1,137 @@
+"""Build facts, the guard table, and the import-time torch version check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+TILE = 128
+REMAINDERS = list(range(1, TILE))
+
+
+@pytest.fixture(scope="module")
+def ow():
+    import openwam_sdpa
+
+    return openwam_sdpa
+
+
+def test_build_info_matches_running_torch(ow):
+    info = ow.build_info()
+    assert {"torch_version", "with_cuda", "cudnn_compiled", "cudnn_runtime"} <= set(info)
+    assert info["torch_version"] == torch.__version__.split("+")[0]
+    assert isinstance(info["with_cuda"], bool)
+    assert info["cudnn_compiled"] >= 0 and info["cudnn_runtime"] >= 0
+    if not torch.cuda.is_available():
+        assert info["cudnn_runtime"] == 0
+
+
+def test_explain_reports_the_runtime_cudnn(ow):
+    q = torch.randn(1, 1, 2, 8)
+    assert ow.explain(q, q, q)["cudnn_runtime"] == ow.build_info()["cudnn_runtime"]
+
+
+def test_guard_rules(ow):
+    rules = ow.guard_rules()
+    assert len(rules) >= 1
+    names = set()
+    for rule in rules:
+        assert set(rule) == {"name", "versions", "defect", "action", "source"}
+        for field, text in rule.items():
+            assert isinstance(text, str) and text.strip(), (rule, field)
+        names.add(rule["name"])
+    assert len(names) == len(rules)  # unique names
+    # Every rule cites where the defect is documented.
+    assert all("#" in r["source"] or "notes/" in r["source"] for r in rules)
+    # The key-tail defect, with its upstream references.
+    key_tail = [r for r in rules if "key_tail" in r["name"]]
+    assert key_tail and all("cudnn-frontend #160" in r["source"] for r in key_tail)
+
+
+def defective_remainders(ow, version, head_dim, is_causal=False, base=256):
+    return [r for r in REMAINDERS
+            if ow.key_tail_defect(version, base + r, head_dim, is_causal)]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_key_tail_defect_measured_9_19(ow, head_dim):
+    """cuDNN 9.19.0, head_dim 64/128: only s_kv % 128 == 64 (measured)."""
+    assert defective_remainders(ow, 91900, head_dim) == [64]
+    assert ow.key_tail_defect(91900, 64, head_dim) is True
+    assert ow.key_tail_defect(91900, 704, head_dim) is True
+    assert ow.key_tail_defect(91900, 77, head_dim) is False
+    # is_causal never failed on this stack.
+    assert defective_remainders(ow, 91900, head_dim, is_causal=True) == []
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 256])
+def test_key_tail_defect_9_19_other_head_dims_conservative(ow, head_dim):
+    assert defective_remainders(ow, 91900, head_dim) == REMAINDERS
+
+
+@pytest.mark.parametrize("version", [90100, 90701, 91500, 91800, 91901, 92000, 92501, 92599])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_key_tail_defect_before_9_26_every_remainder(ow, version, head_dim, is_causal):
+    assert defective_remainders(ow, version, head_dim, is_causal) == REMAINDERS
+
+
+@pytest.mark.parametrize("version", [92600, 92601, 92700, 100000])
+@pytest.mark.parametrize("head_dim", [64, 128, 96])
+def test_key_tail_defect_fixed_from_9_26(ow, version, head_dim):
+    assert defective_remainders(ow, version, head_dim) == []
+    assert defective_remainders(ow, version, head_dim, is_causal=True) == []
+
+
+@pytest.mark.parametrize("version", [90701, 91900, 92501, 92600])
+@pytest.mark.parametrize("s_kv", [128, 256, 384, 1024, 4096])
+@pytest.mark.parametrize("head_dim", [64, 128, 96])
+def test_key_tail_defect_never_for_aligned_keys(ow, version, s_kv, head_dim):
+    assert ow.key_tail_defect(version, s_kv, head_dim) is False
+    assert ow.key_tail_defect(version, s_kv, head_dim, is_causal=True) is False
+
+
+def test_key_tail_defect_keywords(ow):
+    assert ow.key_tail_defect(cudnn_version=91900, s_kv=192, head_dim=128) is True
+    assert ow.key_tail_defect(cudnn_version=91900, s_kv=192, head_dim=128, is_causal=True) is False
+
+
+# --------------------------------------------------------------------------
+# The import-time version check
+# --------------------------------------------------------------------------
+
+
+def test_version_check_passes_for_running_torch(ow):
+    from openwam_sdpa import _extension
+
+    _extension._check_torch_version()  # what import ran: no error
+
+
+def test_version_check_ignores_local_suffix(ow, monkeypatch):
+    from openwam_sdpa import _extension
+
+    built = ow.build_info()["torch_version"]
+    monkeypatch.setattr(torch, "__version__", built + "+cu999")
+    _extension._check_torch_version()
+
+
+@pytest.mark.parametrize("other", ["2.99.0", "1.0.0+cu118", "0.0.1a0"])
+def test_version_check_refuses_other_torch(ow, monkeypatch, other):
+    from openwam_sdpa import _extension
+
+    built = ow.build_info()["torch_version"]
+    monkeypatch.setattr(torch, "__version__", other)
+    with pytest.raises(ImportError) as info:
+        _extension._check_torch_version()
+    msg = str(info.value)
+    assert f"built for torch {built}" in msg
+    assert f"torch {other.split('+')[0]} is installed" in msg
+    assert "pip install --no-build-isolation" in msg  # says how to fix it
+
+
+def test_package_metadata(ow):
+    assert isinstance(ow.__version__, str) and ow.__version__
+    for name in ("sdpa", "pad_keys", "explain", "build_info", "guard_rules",
+                 "key_tail_defect", "patch", "unpatch", "patched", "is_patched"):
+        assert name in ow.__all__ and callable(getattr(ow, name))
+    assert hasattr(torch.ops.openwam, "sdpa") and hasattr(torch.ops.openwam, "pad_keys")

@@ -1,0 +1,471 @@
+"""openwam_sdpa.sdpa on CPU is a drop-in for F.scaled_dot_product_attention.
+
+On CPU the op runs PyTorch's own selection, so outputs and gradients must be
+what F.sdpa gives (float64/float32: to rounding; bf16: within twice F.sdpa's
+own error against a float64 reference), across mask kinds, causal calls,
+scale, GQA, dropout, ranks and layouts, edge cases and non-finite inputs. The
+op is also checked with torch.library.opcheck and gradcheck, and explain()
+must describe what the call does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from conftest import (
+    F_SDPA,
+    MASK_KINDS,
+    assert_close,
+    expanded_heads,
+    fused_qkv,
+    grads,
+    make_mask,
+    qkv,
+    randn,
+    reference_attention,
+    sdpa_error_vs,
+)
+
+B, H, L, S, E = 2, 3, 6, 10, 8
+TOL = {torch.float64: 1e-12, torch.float32: 2e-6}
+
+MASK_CASES = [(k, 4) for k in MASK_KINDS] + [("bool", 2), ("additive", 2), ("key_broadcast", 4)]
+
+
+def mask_id(m):
+    return f"{m[0]}-rank{m[1]}"
+
+
+def compare(ow, q, k, v, mask=None, inputs=None, tol=1e-12, **kw):
+    """ow.sdpa vs F.sdpa on the same tensors: outputs and gradients of
+    `inputs` (default q, k, v)."""
+    inputs = (q, k, v) if inputs is None else inputs
+    ref = F_SDPA(q, k, v, attn_mask=mask, **kw)
+    out = ow.sdpa(q, k, v, attn_mask=mask, **kw)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert_close(out, ref, tol, tol, what="output")
+    if any(t.requires_grad for t in inputs):
+        for i, (a, b) in enumerate(zip(grads(out, inputs), grads(ref, inputs))):
+            assert a.shape == b.shape
+            assert_close(a, b, tol, tol, what=f"grad {i}")
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("mask_case", MASK_CASES, ids=mask_id)
+def test_matches_f_sdpa_masks(ow, dtype, mask_case):
+    kind, rank = mask_case
+    q, k, v = qkv(B, H, L, S, E, dtype=dtype, requires_grad=True)
+    mask = make_mask(kind, B, H, L, S, dtype=dtype, rank=rank)
+    compare(ow, q, k, v, mask, tol=TOL[dtype])
+
+
+CALLS = {
+    "causal_sq_lt_skv": dict(L=4, S=9, is_causal=True),
+    "causal_sq_gt_skv": dict(L=9, S=4, is_causal=True),
+    "causal_square": dict(L=7, S=7, is_causal=True),
+    "scale": dict(scale=0.17),
+    "scale_large": dict(scale=3.0),
+    "gqa": dict(Hq=4, Hkv=2, enable_gqa=True),
+    "gqa_bool_mask": dict(Hq=4, Hkv=2, enable_gqa=True, mask="bool"),
+    "gqa_causal": dict(Hq=4, Hkv=1, enable_gqa=True, is_causal=True),
+    "value_head_dim_differs": dict(Ev=5),
+    "bshd": dict(layout="bshd", mask="additive"),
+    "s_kv_1": dict(S=1),
+    "s_kv_127": dict(S=127, mask="bool"),
+    "s_kv_128": dict(S=128, mask="bool"),
+    "s_kv_256": dict(S=256),
+    "s_q_1": dict(L=1, mask="key_bool"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("call", CALLS.values(), ids=CALLS.keys())
+def test_matches_f_sdpa_calls(ow, dtype, call):
+    c = dict(call)
+    Hq, Hkv, Ev = c.pop("Hq", H), c.pop("Hkv", None), c.pop("Ev", None)
+    Lq, Skv = c.pop("L", L), c.pop("S", S)
+    layout, kind = c.pop("layout", "bhsd"), c.pop("mask", "none")
+    q, k, v = qkv(B, Hq, Lq, Skv, E, Hkv=Hkv, Ev=Ev, dtype=dtype, layout=layout,
+                  requires_grad=True)
+    mask = make_mask(kind, B, Hq, Lq, Skv, dtype=dtype)
+    compare(ow, q, k, v, mask, tol=TOL[dtype], **c)
+
+
+@pytest.mark.parametrize("kind", ["none", "bool", "additive", "causal"])
+def test_matches_f_sdpa_3d(ow, kind):
+    q = randn(4, L, E, requires_grad=True)
+    k = randn(4, S, E, seed=1, requires_grad=True)
+    v = randn(4, S, E, seed=2, requires_grad=True)
+    kw = {"is_causal": True} if kind == "causal" else {}
+    mask = None if kind in ("none", "causal") else make_mask(kind, 4, 1, L, S)[:, 0]
+    out = compare(ow, q, k, v, mask, **kw)
+    assert out.dim() == 3
+
+
+def test_matches_f_sdpa_fused_qkv_buffer(ow):
+    buf, q, k, v = fused_qkv(B, H, S, E)
+    mask = make_mask("bool", B, H, S, S)
+    compare(ow, q, k, v, mask, inputs=(buf,))
+
+
+def test_matches_f_sdpa_expanded_heads(ow):
+    kb, k = expanded_heads(B, H, S, E, seed=1)
+    vb, v = expanded_heads(B, H, S, E, seed=2)
+    q = randn(B, H, L, E, requires_grad=True)
+    compare(ow, q, k, v, make_mask("additive", B, H, L, S), inputs=(q, kb, vb))
+
+
+@pytest.mark.parametrize("kind", ["none", "bool", "additive"])
+def test_bf16_within_twice_f_sdpa_error(ow, kind):
+    q64, k64, v64 = qkv(B, H, L, 40, 16, requires_grad=True)
+    mask64 = make_mask(kind, B, H, L, 40)
+    ref = reference_attention(q64, k64, v64, mask64)
+    ref_g = grads(ref, (q64, k64, v64))
+
+    def run(fn):
+        q, k, v = (t.detach().bfloat16().requires_grad_() for t in (q64, k64, v64))
+        mask = None if mask64 is None else (
+            mask64 if mask64.dtype == torch.bool else mask64.bfloat16())
+        out = fn(q, k, v, attn_mask=mask)
+        return [out.detach()] + list(grads(out, (q, k, v)))
+
+    ours, stock = run(ow.sdpa), run(F_SDPA)
+    for name, x, y, r in zip(("out", "dq", "dk", "dv"), ours, stock, [ref.detach(), *ref_g]):
+        assert x.dtype == torch.bfloat16
+        err, stock_err = sdpa_error_vs(r, x), sdpa_error_vs(r, y)
+        assert err <= 2 * stock_err + 1e-3, f"{name}: {err} vs F.sdpa's {stock_err}"
+
+
+# --------------------------------------------------------------------------
+# Against the float64 reference and gradcheck
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["none", "bool", "additive", "key_bool"])
+def test_matches_float64_reference(ow, kind):
+    q, k, v = qkv(B, H, L, S, E, requires_grad=True)
+    mask = make_mask(kind, B, H, L, S)
+    out = ow.sdpa(q, k, v, mask)
+    ref = reference_attention(q, k, v, mask)
+    assert_close(out, ref, 1e-12, what="output")
+    for a, b in zip(grads(out, (q, k, v)), grads(ref, (q, k, v))):
+        assert_close(a, b, 1e-12, what="grad")
+
+
+GRADCHECK = {
+    "none": dict(),
+    "bool": dict(mask="bool"),
+    "additive": dict(mask="additive"),
+    "causal": dict(is_causal=True),
+    "gqa_scale": dict(Hq=4, Hkv=2, enable_gqa=True, scale=0.5),
+}
+
+
+@pytest.mark.parametrize("call", GRADCHECK.values(), ids=GRADCHECK.keys())
+def test_gradcheck(ow, call):
+    c = dict(call)
+    Hq, Hkv, kind = c.pop("Hq", 2), c.pop("Hkv", None), c.pop("mask", "none")
+    q, k, v = qkv(1, Hq, 3, 5, 4, Hkv=Hkv, requires_grad=True)
+    mask = make_mask(kind, 1, Hq, 3, 5)
+
+    def fn(q, k, v):
+        return ow.sdpa(q, k, v, mask, **c)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+# --------------------------------------------------------------------------
+# opcheck
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("kind", ["none", "bool", "additive", "key_bool", "rank2"])
+def test_opcheck_sdpa(kind, requires_grad):
+    import openwam_sdpa  # noqa: F401  (registers the ops)
+
+    q, k, v = qkv(2, 2, 3, 5, 4, requires_grad=requires_grad)
+    mask = (make_mask("bool", 2, 2, 3, 5, rank=2) if kind == "rank2"
+            else make_mask(kind, 2, 2, 3, 5))
+    torch.library.opcheck(torch.ops.openwam.sdpa.default, (q, k, v, mask))
+
+
+def test_opcheck_sdpa_causal_gqa_scale():
+    import openwam_sdpa  # noqa: F401
+
+    q, k, v = qkv(1, 4, 3, 5, 4, Hkv=2, requires_grad=True)
+    torch.library.opcheck(torch.ops.openwam.sdpa.default, (q, k, v),
+                          {"is_causal": True, "scale": 0.3, "enable_gqa": True})
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("kind", ["none", "bool", "additive"])
+def test_opcheck_pad_keys(kind, requires_grad):
+    import openwam_sdpa  # noqa: F401
+
+    k = randn(2, 2, 5, 4, requires_grad=requires_grad)
+    v = randn(2, 2, 5, 4, seed=1, requires_grad=requires_grad)
+    mask = make_mask(kind, 2, 2, 3, 5)
+    torch.library.opcheck(torch.ops.openwam.pad_keys.default, (k, v, mask, 16))
+
+
+def test_python_wrapper_is_the_op(ow):
+    q, k, v = qkv(B, H, L, S, E)
+    mask = make_mask("bool", B, H, L, S)
+    a = ow.sdpa(q, k, v, mask, 0.0, False, 0.4)
+    b = torch.ops.openwam.sdpa(q, k, v, mask, 0.0, False, 0.4)
+    assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------
+# Dropout
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_dropout_seeded_equal_to_f_sdpa(ow, dtype, requires_grad):
+    q, k, v = qkv(B, H, L, S, E, dtype=dtype, requires_grad=requires_grad)
+    info = ow.explain(q, k, v, dropout_p=0.3)
+    assert info["plan"] == "none"  # same path as F.sdpa: same random stream
+    torch.manual_seed(123)
+    ref = F_SDPA(q, k, v, dropout_p=0.3)
+    torch.manual_seed(123)
+    out = ow.sdpa(q, k, v, dropout_p=0.3)
+    assert torch.equal(out, ref)
+    if requires_grad:
+        for a, b in zip(grads(out, (q, k, v)), grads(ref, (q, k, v))):
+            assert torch.equal(a, b)
+
+
+def test_dropout_changes_output_and_stays_finite(ow):
+    q, k, v = qkv(B, H, L, S, E, requires_grad=True)
+    plain = ow.sdpa(q, k, v)
+    out = ow.sdpa(q, k, v, dropout_p=0.5)
+    assert out.shape == plain.shape
+    assert torch.isfinite(out).all()
+    assert not torch.allclose(out, plain)
+    assert all(torch.isfinite(g).all() for g in grads(out, (q, k, v)))
+
+
+def test_dropout_with_padding_is_finite(ow, settings):
+    """PAD=always: the dropout pattern is drawn over the padded keys, so only
+    shape and finiteness are comparable with F.sdpa."""
+    settings(pad="always")
+    q, k, v = qkv(B, H, L, S, E, requires_grad=True)
+    assert ow.explain(q, k, v, dropout_p=0.25)["plan"] == "pad_inputs"
+    out = ow.sdpa(q, k, v, dropout_p=0.25)
+    assert out.shape == (B, H, L, E) and torch.isfinite(out).all()
+    g = grads(out, (q, k, v))
+    assert g[1].shape == k.shape and all(torch.isfinite(x).all() for x in g)
+
+
+# --------------------------------------------------------------------------
+# Fully masked rows, edge cases, non-finite inputs
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pad", ["auto", "always"])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_fully_masked_rows_give_zero(ow, settings, kind, pad):
+    settings(pad=pad)
+    q, k, v = qkv(B, H, L, S, E, requires_grad=True)
+    mask = make_mask(kind, B, H, L, S, empty_rows=(0, 4))
+    out = ow.sdpa(q, k, v, mask)
+    assert torch.isfinite(out).all()
+    assert torch.count_nonzero(out[..., [0, 4], :]) == 0
+    dq, dk, dv = grads(out, (q, k, v))
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
+    assert torch.count_nonzero(dq[..., [0, 4], :]) == 0
+    ref = reference_attention(q, k, v, mask)
+    assert_close(out, ref, 1e-12, what="output")
+    for a, b in zip((dq, dk, dv), grads(ref, (q, k, v))):
+        assert_close(a, b, 1e-12, what="grad")
+
+
+EDGES = {
+    "empty_batch": (0, 2, 3, 5),
+    "zero_length_query": (1, 2, 0, 5),
+    "zero_heads": (1, 0, 3, 5),
+    "zero_length_keys": (1, 2, 3, 0),
+    "s_kv_1": (2, 2, 3, 1),
+    "s_kv_lt_128": (1, 2, 3, 77),
+    "s_kv_128": (1, 2, 3, 128),
+    "s_kv_384": (1, 1, 2, 384),
+}
+
+
+@pytest.mark.parametrize("pad", ["auto", "always"])
+@pytest.mark.parametrize("shape", EDGES.values(), ids=EDGES.keys())
+def test_edge_cases_match_f_sdpa(ow, settings, shape, pad):
+    settings(pad=pad)
+    b, h, lq, skv = shape
+    q, k, v = qkv(b, h, lq, skv, 4, requires_grad=True)
+    ref = F_SDPA(q, k, v)
+    out = ow.sdpa(q, k, v)
+    assert out.shape == ref.shape
+    assert_close(out, ref, 1e-12, what="output")
+    for a, b_ in zip(grads(out, (q, k, v)), grads(ref, (q, k, v))):
+        assert_close(a, b_, 1e-12, what="grad")
+
+
+def test_edge_case_empty_batch_with_mask(ow, settings):
+    settings(pad="always")
+    q, k, v = qkv(0, 2, 3, 5, 4, requires_grad=True)
+    mask = torch.ones(0, 1, 3, 5, dtype=torch.bool)
+    out = ow.sdpa(q, k, v, mask)
+    assert out.shape == (0, 2, 3, 4)
+
+
+NONFINITE = {
+    "nan_query_row": ("q", (0, 1, 2), float("nan")),
+    "inf_query_elem": ("q", (0, 1, 2, 0), float("inf")),
+    "nan_key_row": ("k", (1, 0, 3), float("nan")),
+    "inf_key_elem": ("k", (1, 0, 3, 1), float("-inf")),
+    "nan_value_row": ("v", (0, 2, 4), float("nan")),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("case", NONFINITE.values(), ids=NONFINITE.keys())
+def test_non_finite_inputs_propagate_as_in_f_sdpa(ow, case, dtype):
+    which, index, value = case
+    q, k, v = qkv(B, H, L, S, E, dtype=dtype)
+    {"q": q, "k": k, "v": v}[which][index] = value
+    ref = F_SDPA(q, k, v)
+    out = ow.sdpa(q, k, v)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert_close(out, ref, TOL[dtype], TOL[dtype], what="output")
+
+
+def test_nan_query_row_with_math_backend_gives_nan_row(ow):
+    """With PyTorch's math backend a NaN query row gives a NaN output row,
+    other rows untouched. (PyTorch's CPU flash kernel, the default on CPU,
+    returns zeros for that row instead; the op follows whichever runs.)"""
+    q, k, v = qkv(B, H, L, S, E)
+    q[0, 1, 2] = float("nan")
+    with sdpa_kernel(SDPBackend.MATH):
+        out = ow.sdpa(q, k, v)
+    assert torch.isnan(out[0, 1, 2]).all()
+    assert torch.isnan(out).sum() == E
+
+
+# --------------------------------------------------------------------------
+# explain()
+# --------------------------------------------------------------------------
+
+EXPLAIN_KEYS = {"backend", "pytorch_choice", "plan", "rule", "reason", "differentiated",
+                "cudnn_excluded_from_fallback", "setting_cudnn", "setting_pad",
+                "cudnn_runtime"}
+
+
+def test_explain_defaults_on_cpu(ow):
+    q, k, v = qkv(B, H, L, S, E, requires_grad=True)
+    info = ow.explain(q, k, v)
+    assert EXPLAIN_KEYS <= set(info)
+    assert info["backend"] == "pytorch"
+    assert info["plan"] == "none"
+    assert info["rule"] == ""
+    assert info["cudnn_excluded_from_fallback"] is False
+    assert info["setting_cudnn"] == "follow_pytorch"
+    assert info["setting_pad"] == "auto"
+    choice = torch._fused_sdp_choice(q, k, v)
+    assert info["pytorch_choice"] == SDPBackend(choice).name.lower()
+    assert info["pytorch_choice"] in info["reason"]
+
+
+def test_explain_follows_sdpa_kernel(ow):
+    q, k, v = qkv(B, H, L, S, E)
+    with sdpa_kernel(SDPBackend.MATH):
+        assert ow.explain(q, k, v)["pytorch_choice"] == "math"
+
+
+@pytest.mark.parametrize("cudnn,reason", [("1", "cannot serve"), ("0", "OPENWAM_SDPA_CUDNN=0")])
+def test_explain_cudnn_setting_on_cpu(ow, settings, cudnn, reason):
+    settings(cudnn=cudnn)
+    q, k, v = qkv(B, H, L, S, E, requires_grad=True)
+    info = ow.explain(q, k, v)
+    assert info["backend"] == "pytorch" and info["plan"] == "none"
+    assert info["setting_cudnn"] == {"1": "prefer", "0": "never"}[cudnn]
+    assert reason in info["reason"]
+    compare(ow, q, k, v)
+
+
+def test_explain_differentiated_needs_grad_mode_and_requires_grad(ow):
+    q, k, v = qkv(B, H, L, S, E)
+    assert ow.explain(q, k, v)["differentiated"] is False  # grad mode, no requires_grad
+    for t in (q, k, v):
+        t.requires_grad_(True)
+        assert ow.explain(q, k, v)["differentiated"] is True
+        with torch.no_grad():  # requires_grad, grad mode off
+            assert ow.explain(q, k, v)["differentiated"] is False
+        with torch.inference_mode():
+            assert ow.explain(q, k, v)["differentiated"] is False
+        t.requires_grad_(False)
+
+
+def test_explain_validates_like_the_op(ow):
+    q, k, v = qkv(B, H, L, S, E)
+    with pytest.raises(RuntimeError, match="openwam::sdpa: key must have the same head_dim"):
+        ow.explain(q, k[..., :4], v)
+
+
+def test_check_finite_setting_is_harmless_on_cpu(ow, settings):
+    settings(check_finite="1")
+    q, k, v = qkv(B, H, L, S, E, requires_grad=True)
+    compare(ow, q, k, v, make_mask("bool", B, H, L, S))
+
+
+# --------------------------------------------------------------------------
+# Modes: inference, no_grad, double backward
+# --------------------------------------------------------------------------
+
+
+def test_inference_mode_and_no_grad(ow):
+    q, k, v = qkv(B, H, L, S, E, requires_grad=True)
+    mask = make_mask("bool", B, H, L, S)
+    ref = F_SDPA(q, k, v, mask).detach()
+    with torch.inference_mode():
+        out = ow.sdpa(q, k, v, mask)
+    assert torch.equal(out, ref)
+    with torch.no_grad():
+        out = ow.sdpa(q, k, v, mask)
+    assert out.grad_fn is None and torch.equal(out, ref)
+
+
+def double_backward(fn, q, k, v):
+    out = fn(q, k, v)
+    (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    return torch.autograd.grad(dq.sum(), (q, k, v))
+
+
+def test_double_backward_behaves_as_f_sdpa(ow):
+    """PyTorch's default CPU kernel (flash) has no double backward; whatever
+    F.sdpa does, the op must do the same: both work and agree, or both raise
+    the same clear error."""
+    q, k, v = qkv(1, 2, 3, 5, 4, requires_grad=True)
+    try:
+        ref = double_backward(F_SDPA, q, k, v)
+    except RuntimeError as exc:
+        msg = str(exc).splitlines()[0]
+        with pytest.raises(RuntimeError, match="not implemented") as info:
+            double_backward(ow.sdpa, q, k, v)
+        assert str(info.value).splitlines()[0] == msg
+    else:
+        for a, b in zip(double_backward(ow.sdpa, q, k, v), ref):
+            assert_close(a, b, 1e-12, what="double backward")
+
+
+def test_double_backward_on_math_backend(ow):
+    q, k, v = qkv(1, 2, 3, 5, 4, requires_grad=True)
+    mask = make_mask("bool", 1, 2, 3, 5)
+    with sdpa_kernel(SDPBackend.MATH):
+        ours = double_backward(lambda q, k, v: ow.sdpa(q, k, v, mask), q, k, v)
+        ref = double_backward(lambda q, k, v: F_SDPA(q, k, v, mask), q, k, v)
+        for a, b in zip(ours, ref):
+            assert_close(a, b, 1e-12, what="double backward")
+        assert torch.autograd.gradgradcheck(lambda q, k, v: ow.sdpa(q, k, v, mask), (q, k, v))
