@@ -58,19 +58,21 @@ std::string describe_nonfinite(const variable_list& grads,
 
 class CudnnSdpaFunction : public torch::autograd::Function<CudnnSdpaFunction> {
  public:
-  // q, k, v: 4-D; bias: additive, query dtype, 4-D, or undefined.
+  // q, k, v: 4-D; bias: additive, query dtype, 4-D, or none. (An optional,
+  // not an undefined Tensor: Function::apply records device and dtype of
+  // every Tensor argument.)
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& query,
                             const at::Tensor& key, const at::Tensor& value,
-                            const at::Tensor& bias, double dropout_p,
+                            const std::optional<at::Tensor>& bias, double dropout_p,
                             bool is_causal, std::optional<double> scale,
                             int64_t plan_id, bool check_finite) {
     const auto plan = static_cast<Plan>(plan_id);
-    at::Tensor k = key, v = value, b = bias;
+    at::Tensor k = key, v = value, b = bias.value_or(at::Tensor());
     bool causal = is_causal;
     if (plan == Plan::kPadForward) {
       // Dropout: the backward must see the key length the forward's dropout
       // pattern was drawn for, so both run on the padded keys.
-      PaddedCudnnInputs p = pad_for_cudnn(query, key, value, bias, is_causal);
+      PaddedCudnnInputs p = pad_for_cudnn(query, key, value, b, is_causal);
       k = p.key, v = p.value, b = p.bias, causal = false;
     }
     CudnnForward f = cudnn_forward(query, k, v, b, /*compute_logsumexp=*/true,
@@ -149,16 +151,16 @@ at::Tensor run_cudnn_sdpa(const SdpaInputs& in, const Decision& decision,
   const at::Tensor q = three_d ? in.query.unsqueeze(1) : in.query;
   const at::Tensor k = three_d ? in.key.unsqueeze(1) : in.key;
   const at::Tensor v = three_d ? in.value.unsqueeze(1) : in.value;
-  const at::Tensor bias =
-      in.attn_mask.has_value()
-          ? cudnn_bias(*in.attn_mask, in.query.scalar_type(), in.query.dim(), in.s_kv())
-          : at::Tensor();
+  std::optional<at::Tensor> bias;
+  if (in.attn_mask.has_value()) {
+    bias = cudnn_bias(*in.attn_mask, in.query.scalar_type(), in.query.dim(), in.s_kv());
+  }
 
   at::Tensor out;
   if (!in.differentiated()) {
     // Nothing to differentiate: the defect is backward-only, so this is
     // exactly stock cuDNN's inference call.
-    out = cudnn_forward(q, k, v, bias, /*compute_logsumexp=*/false,
+    out = cudnn_forward(q, k, v, bias.value_or(at::Tensor()), /*compute_logsumexp=*/false,
                         in.dropout_p, in.is_causal, in.scale)
               .out;
   } else {

@@ -80,16 +80,21 @@ bool cudnn_can_serve(const SdpaInputs& in, std::string* why_not) {
 
 Decision decide(const SdpaInputs& in, const Settings& settings) {
   Decision out;
-  const int64_t choice = at::_fused_sdp_choice(
-      in.query, in.key, in.value, in.attn_mask, in.dropout_p, in.is_causal,
-      in.scale, in.enable_gqa);
-  out.pytorch_choice = backend_name(choice);
-  const bool pytorch_picks_cudnn =
-      choice == static_cast<int64_t>(at::SDPBackend::cudnn_attention);
-
   std::string why_not;
   const bool servable = cudnn_can_serve(in, &why_not);
   const long version = servable ? runtime_cudnn_version() : 0;
+  // PyTorch's own choice costs a pass through its selector on the host; a
+  // call that prefers cuDNN and can have it does not need it.
+  const bool need_choice = !(settings.cudnn == CudnnPreference::kPrefer && servable);
+  const int64_t choice =
+      need_choice ? at::_fused_sdp_choice(in.query, in.key, in.value, in.attn_mask,
+                                          in.dropout_p, in.is_causal, in.scale,
+                                          in.enable_gqa)
+                  : static_cast<int64_t>(at::SDPBackend::cudnn_attention);
+  out.pytorch_choice = need_choice ? backend_name(choice) : "not asked (cuDNN preferred)";
+  const bool pytorch_picks_cudnn =
+      choice == static_cast<int64_t>(at::SDPBackend::cudnn_attention);
+
   switch (settings.cudnn) {
     case CudnnPreference::kNever:
       out.use_cudnn = false;

@@ -69,8 +69,9 @@ at::Tensor additive_bias(const at::Tensor& mask, at::ScalarType dtype) {
     // One kernel, broadcast shape kept. -inf, not stock's -65504: a fully
     // masked row must attend to nothing (cuDNN 9.19 then gives out = 0,
     // lse = -inf and zero gradients for that row).
-    // The 0 is a CPU scalar, as in stock's conversion: no fill kernel.
-    return at::where(mask, at::scalar_tensor(0.0, at::TensorOptions().dtype(dtype)),
+    // The 0 lives on the mask's device: a CPU scalar would be copied to the
+    // GPU, which CUDA graph capture forbids.
+    return at::where(mask, at::zeros({}, mask.options().dtype(dtype)),
                      -std::numeric_limits<double>::infinity());
   }
   return mask.scalar_type() == dtype ? mask : mask.to(dtype);

@@ -29,7 +29,7 @@
 #   FULL_BUILD=1 (always the pip build), JUNIT=1, DEVICE_BUDGET_S.
 set -uo pipefail
 
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 ROOT=$PWD
 T0=$SECONDS
 BUDGET=${DEVICE_BUDGET_S:-560}
@@ -40,6 +40,8 @@ export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=i
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1   # nothing outside can be reached
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+# CMake 4 (pip's) refuses config files that declare a minimum below 3.5.
+export CMAKE_POLICY_VERSION_MINIMUM=${CMAKE_POLICY_VERSION_MINIMUM:-3.5}
 export OUT
 BUILD_LOG=$OUT/build.log
 TESTS_LOG=$OUT/tests.log
@@ -129,7 +131,7 @@ fi
 if ((want_ctest)); then
   cmake_args=(-S "$ROOT" -B "$CMAKE_DIR" -DCMAKE_BUILD_TYPE=Release -DOPENWAM_PYTHON="$(command -v "$PY")")
   [[ -f "$CMAKE_DIR/CMakeCache.txt" ]] || cmake_args+=(-G Ninja)
-  deb=$(ls "$ROOT"/.deps/catch2_*.deb 2>/dev/null | head -1)
+  deb=$(compgen -G "$ROOT/.deps/catch2_*.deb" | head -1)
   if [[ -n "$deb" ]]; then
     rm -rf /tmp/catch2 && dpkg -x "$deb" /tmp/catch2 && cmake_args+=(-DCMAKE_PREFIX_PATH=/tmp/catch2/usr)
   elif [[ ! -f /usr/include/catch2/catch.hpp ]]; then

@@ -17,7 +17,7 @@
 #   of this checkout exists; CI always does it).
 set -uo pipefail
 
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 ROOT=$PWD
 PY=${PYTHON:-python3}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from conftest import (
@@ -185,18 +184,14 @@ def test_gradcheck(ow, call):
 
 @pytest.mark.parametrize("requires_grad", [False, True])
 @pytest.mark.parametrize("kind", ["none", "bool", "additive", "key_bool", "rank2"])
-def test_opcheck_sdpa(kind, requires_grad):
-    import openwam_sdpa  # noqa: F401  (registers the ops)
-
+def test_opcheck_sdpa(ow, kind, requires_grad):
     q, k, v = qkv(2, 2, 3, 5, 4, requires_grad=requires_grad)
     mask = (make_mask("bool", 2, 2, 3, 5, rank=2) if kind == "rank2"
             else make_mask(kind, 2, 2, 3, 5))
     torch.library.opcheck(torch.ops.openwam.sdpa.default, (q, k, v, mask))
 
 
-def test_opcheck_sdpa_causal_gqa_scale():
-    import openwam_sdpa  # noqa: F401
-
+def test_opcheck_sdpa_causal_gqa_scale(ow):
     q, k, v = qkv(1, 4, 3, 5, 4, Hkv=2, requires_grad=True)
     torch.library.opcheck(torch.ops.openwam.sdpa.default, (q, k, v),
                           {"is_causal": True, "scale": 0.3, "enable_gqa": True})
@@ -204,9 +199,7 @@ def test_opcheck_sdpa_causal_gqa_scale():
 
 @pytest.mark.parametrize("requires_grad", [False, True])
 @pytest.mark.parametrize("kind", ["none", "bool", "additive"])
-def test_opcheck_pad_keys(kind, requires_grad):
-    import openwam_sdpa  # noqa: F401
-
+def test_opcheck_pad_keys(ow, kind, requires_grad):
     k = randn(2, 2, 5, 4, requires_grad=requires_grad)
     v = randn(2, 2, 5, 4, seed=1, requires_grad=requires_grad)
     mask = make_mask(kind, 2, 2, 3, 5)
