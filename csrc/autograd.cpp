@@ -4,8 +4,6 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include <limits>
-#include <sstream>
 
 #include "cudnn_attention.h"
 #include "dispatch.h"
@@ -40,20 +38,25 @@ PaddedCudnnInputs pad_for_cudnn(const at::Tensor& query, const at::Tensor& key,
   return {p.key, p.value, cudnn_bias(p.mask, query.scalar_type(), 4, p.key.size(2))};
 }
 
-std::string describe_nonfinite(const variable_list& grads,
-                               const at::Tensor& query, const at::Tensor& key,
-                               const at::Tensor& logsumexp, Plan plan) {
-  std::ostringstream msg;
-  msg << "openwam::sdpa: non-finite gradient (OPENWAM_SDPA_CHECK_FINITE=1): ";
-  const char* names[] = {"dQ", "dK", "dV"};
-  for (size_t i = 0; i < 3; ++i) {
-    msg << names[i] << " " << (~at::isfinite(grads[i])).sum().item<int64_t>()
-        << " non-finite; ";
+// OPENWAM_SDPA_CHECK_FINITE=1 (debug only: the counts synchronise with the
+// host). Raises naming the shapes, the plan and the smallest logsumexp.
+void check_finite_gradients(const at::Tensor& dq, const at::Tensor& dk,
+                            const at::Tensor& dv, const at::Tensor& query,
+                            const at::Tensor& key, const at::Tensor& logsumexp,
+                            Plan plan) {
+  const int64_t bad_dq = (~at::isfinite(dq)).sum().item<int64_t>();
+  const int64_t bad_dk = (~at::isfinite(dk)).sum().item<int64_t>();
+  const int64_t bad_dv = (~at::isfinite(dv)).sum().item<int64_t>();
+  if (bad_dq + bad_dk + bad_dv == 0) {
+    return;
   }
-  msg << "query " << query.sizes() << ", key " << key.sizes() << ", plan "
-      << to_string(plan) << ", smallest logsumexp "
-      << logsumexp.min().item<float>();
-  return msg.str();
+  const double min_lse = logsumexp.min().item<double>();
+  TORCH_CHECK(false,
+              "openwam::sdpa: non-finite gradient (OPENWAM_SDPA_CHECK_FINITE=1): "
+              "dQ ", bad_dq, ", dK ", bad_dk, ", dV ", bad_dv,
+              " non-finite elements; query ", query.sizes(), ", key ",
+              key.sizes(), ", plan ", to_string(plan),
+              ", smallest logsumexp ", min_lse);
 }
 
 class CudnnSdpaFunction : public torch::autograd::Function<CudnnSdpaFunction> {
@@ -93,8 +96,9 @@ class CudnnSdpaFunction : public torch::autograd::Function<CudnnSdpaFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     TORCH_CHECK(!at::GradMode::is_enabled(),
                 "openwam::sdpa: double backward (create_graph=True) is not "
-                "supported on the cuDNN path; set OPENWAM_SDPA_CUDNN=0 to use "
-                "PyTorch's differentiable math backend");
+                "supported on the cuDNN path; for it, set OPENWAM_SDPA_CUDNN=0 "
+                "and select PyTorch's math backend with "
+                "torch.nn.attention.sdpa_kernel(SDPBackend.MATH)");
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& query = saved[0];
     at::Tensor key = saved[1], value = saved[2], bias = saved[3];
@@ -129,17 +133,11 @@ class CudnnSdpaFunction : public torch::autograd::Function<CudnnSdpaFunction> {
       dk = dk.narrow(2, 0, s_kv);
       dv = dv.narrow(2, 0, s_kv);
     }
-    variable_list result = {dq, dk, dv, at::Tensor(), at::Tensor(),
-                            at::Tensor(), at::Tensor(), at::Tensor(),
-                            at::Tensor()};
     if (ctx->saved_data["check_finite"].toBool()) {
-      // Debug mode only: these reductions synchronise with the host.
-      const bool finite = at::isfinite(dq).all().item<bool>() &&
-                          at::isfinite(dk).all().item<bool>() &&
-                          at::isfinite(dv).all().item<bool>();
-      TORCH_CHECK(finite, describe_nonfinite(result, query, key, f.logsumexp, plan));
+      check_finite_gradients(dq, dk, dv, query, key, f.logsumexp, plan);
     }
-    return result;
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 

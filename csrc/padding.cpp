@@ -39,12 +39,16 @@ at::Tensor pad_dim(const at::Tensor& t, int64_t dim, int64_t new_length,
   alloc_sizes[dim] = new_length;
 
   // Allocate in the stride order of `t` (outermost = largest stride), so the
-  // padded tensor has the same physical layout as the input.
+  // padded tensor has the same physical layout as the input. A `t` broadcast
+  // along `dim` itself has no layout there to keep: it is allocated in
+  // logical order, which keeps the last dim contiguous (cuDNN needs that).
   std::vector<int64_t> order(t.dim());
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return stored.stride(a) > stored.stride(b);
-  });
+  if (t.stride(dim) != 0) {
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return stored.stride(a) > stored.stride(b);
+    });
+  }
   std::vector<int64_t> permuted_sizes(t.dim());
   for (int64_t i = 0; i < t.dim(); ++i) {
     permuted_sizes[i] = alloc_sizes[order[i]];
@@ -89,6 +93,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pad_keys(
   TORCH_CHECK(value.dim() >= 2,
               "openwam::pad_keys: value must have at least 2 dims [..., S, Ev], "
               "got ", value.dim(), "-D");
+  TORCH_CHECK(value.dim() == key.dim(),
+              "openwam::pad_keys: value must have key's rank (", key.dim(),
+              "-D), got ", value.dim(), "-D");
   const int64_t s_kv = key.size(-2);
   TORCH_CHECK(value.size(-2) == s_kv,
               "openwam::pad_keys: value must have the same sequence length as "

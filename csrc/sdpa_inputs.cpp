@@ -21,6 +21,9 @@ void check_mask(const SdpaInputs& in) {
   TORCH_CHECK(!m.requires_grad(), kOp,
               ": attn_mask must not require grad (openwam::sdpa does not "
               "differentiate the mask), got a mask with requires_grad=True");
+  TORCH_CHECK(m.dim() >= 2, kOp,
+              ": attn_mask must have at least 2 dims [..., L, S], got ", m.dim(),
+              "-D");
   TORCH_CHECK(m.dim() <= q.dim(), kOp, ": attn_mask must have at most ",
               q.dim(), " dims to broadcast to [..., L, S], got ", m.dim(), "-D");
   // Right-aligned broadcast against [batch..., heads, L, S].

@@ -31,7 +31,7 @@ def op_calls(ow, monkeypatch):
     """Counts the calls that reach openwam_sdpa's op through the patch."""
     # sys.modules: the package's `patch` attribute is the function, which
     # shadows the submodule of the same name.
-    patch_module = sys.modules["openwam_sdpa.patch"]
+    patch_module = sys.modules["openwam_sdpa.patching"]
     calls = []
     real = patch_module.sdpa
 

@@ -6,7 +6,7 @@ torch.nn.functional.scaled_dot_product_attention. See README.md.
 
 from ._extension import _C  # noqa: F401  (loads and registers the ops)
 from .ops import build_info, explain, guard_rules, key_tail_defect, pad_keys, sdpa
-from .patch import is_patched, patch, patched, unpatch
+from .patching import is_patched, patch, patched, unpatch
 from .transformers_integration import register as _register_transformers
 
 __version__ = "0.1.0"

@@ -8,7 +8,7 @@ transformers is installed (importing transformers takes a few seconds).
 
 import importlib.util
 
-from .patch import patched
+from .patching import patched
 
 NAME = "openwam_sdpa"
 
