@@ -60,7 +60,7 @@ run_limited() {
   if ((lim < 20)); then echo "(skipped: no time left)" >>"$log"; return 125; fi
   timeout --kill-after=10 "$lim" "$@" >>"$log" 2>&1
 }
-section() { printf '\n===== %s =====\n' "$*" >>"$1"; }
+section() { local f=$1; shift; printf '\n===== %s =====\n' "$*" >>"$f"; }
 
 # ------------------------------------------------------------ which parts
 parts=("$@")
@@ -133,7 +133,10 @@ if ((want_ctest)); then
   [[ -f "$CMAKE_DIR/CMakeCache.txt" ]] || cmake_args+=(-G Ninja)
   deb=$(compgen -G "$ROOT/.deps/catch2_*.deb" | head -1)
   if [[ -n "$deb" ]]; then
-    rm -rf /tmp/catch2 && dpkg -x "$deb" /tmp/catch2 && cmake_args+=(-DCMAKE_PREFIX_PATH=/tmp/catch2/usr)
+    rm -rf /tmp/catch2 && mkdir -p /tmp/catch2
+    if command -v dpkg >/dev/null; then dpkg -x "$deb" /tmp/catch2
+    else (cd /tmp/catch2 && ar p "$deb" data.tar.xz | tar -xJ); fi
+    cmake_args+=(-DCMAKE_PREFIX_PATH=/tmp/catch2/usr)
   elif [[ ! -f /usr/include/catch2/catch.hpp ]]; then
     say "ctest: no .deps/catch2_*.deb (carry .deps) and no system Catch2: configure will fail"
   fi
@@ -177,7 +180,7 @@ pytest_part() {
   line=$(grep -E '^=*\s*([0-9]+ (passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)|no tests ran)' \
          "$tmp" | tail -1 | sed -E 's/^=+ //; s/ =+$//')
   case $rc in
-    0) REPLY="ok: $line" ;;
+    0) if [[ "$line" == *passed* ]]; then REPLY="ok: $line"; else REPLY="NOTHING PASSED: $line"; fi ;;
     124|137) REPLY="TIMEOUT after ${cap}s cap: ${line:-no summary}" ;;
     125) REPLY="skipped (time)" ;;
     5) REPLY="no tests collected" ;;

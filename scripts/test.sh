@@ -104,7 +104,7 @@ if ((build_ok)); then
   say "python -m pytest -q tests"
   "$PY" -m pytest -q tests 2>&1 | tee "$LOGS/pytest.log"
   pytest_rc=${PIPESTATUS[0]}
-  pytest_line=$(grep -E '^=*?\s*([0-9]+ (passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)|no tests ran)' \
+  pytest_line=$(grep -E '^=*\s*([0-9]+ (passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)|no tests ran)' \
                 "$LOGS/pytest.log" | tail -1 | sed -E 's/^=+ //; s/ =+$//')
   if [[ $pytest_rc -eq 5 ]]; then
     say "WARNING: pytest collected no tests"

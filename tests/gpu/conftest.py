@@ -61,7 +61,6 @@ MEASURED_CUDNN = 91900
 ADVERSARIAL_A = 30.0
 DEFAULT_TARGET = -110.0
 
-ENV_VARS = ("OPENWAM_SDPA_CUDNN", "OPENWAM_SDPA_PAD", "OPENWAM_SDPA_CHECK_FINITE")
 
 
 # --------------------------------------------------------------------------
@@ -120,37 +119,8 @@ def _require_cudnn_attention():
         pytest.skip(reason)
 
 
-@pytest.fixture(autouse=True)
-def _clean_settings(monkeypatch):
-    """Each test starts from the default settings, whatever the shell set."""
-    for name in ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
-    torch.manual_seed(0)
-
-
-@pytest.fixture
-def settings(monkeypatch):
-    """settings(cudnn="1", pad="auto", check_finite="1"): set the openwam_sdpa
-    environment for this test (read by the op on every call); None unsets."""
-
-    def apply(cudnn=None, pad=None, check_finite=None):
-        for name, value in zip(ENV_VARS, (cudnn, pad, check_finite)):
-            if value is None:
-                monkeypatch.delenv(name, raising=False)
-            else:
-                monkeypatch.setenv(name, str(value))
-
-    return apply
-
-
-@pytest.fixture(scope="session")
-def ow():
-    """The package under test. Imported here, not at module level, so that the
-    suite still collects (and skips) where the extension is not built. On a
-    GPU machine a failing import is an error, not a skip."""
-    import openwam_sdpa
-
-    return openwam_sdpa
+# The `settings` and `ow` fixtures and the per-test reset of the
+# OPENWAM_SDPA_* environment come from tests/conftest.py.
 
 
 # --------------------------------------------------------------------------
