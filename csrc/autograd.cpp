@@ -4,6 +4,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <cmath>
 
 #include "cudnn_attention.h"
 #include "dispatch.h"
@@ -125,6 +126,7 @@ class CudnnSdpaFunction : public torch::autograd::Function<CudnnSdpaFunction> {
     auto [dq, dk, dv] = cudnn_backward(grad_out, query, key, value, f, bias,
                                        dropout_p, causal, scale);
     if (plan == Plan::kRepairDq) {
+      // F.sdpa's default scale: 1 / sqrt(head_dim).
       const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(query.size(-1))));
       repair_dq_(dq, grad_out, query, key, value, f.out, f.logsumexp, bias,
                  causal, s);

@@ -41,11 +41,6 @@ void check_mask(const SdpaInputs& in) {
 
 }  // namespace
 
-double SdpaInputs::effective_scale() const {
-  return scale.has_value() ? *scale
-                           : 1.0 / std::sqrt(static_cast<double>(head_dim()));
-}
-
 bool SdpaInputs::differentiated() const {
   return at::GradMode::is_enabled() &&
          (query.requires_grad() || key.requires_grad() || value.requires_grad());

@@ -20,7 +20,6 @@ struct SdpaInputs {
   int64_t s_q() const { return query.size(-2); }
   int64_t s_kv() const { return key.size(-2); }
   int64_t head_dim() const { return query.size(-1); }
-  double effective_scale() const;
   // Will autograd record this call: grad mode on and q, k or v requires grad.
   // Decided before any autograd::Function runs (grad mode is off inside).
   bool differentiated() const;

@@ -24,7 +24,8 @@
 # DEVICE_BUDGET_S seconds (default 560; the tool's limit is 600): parts that
 # no longer fit are reported as "skipped (time)".
 #
-# Environment: PYTEST_ARGS (extra args for both pytest runs), BENCH_ARGS,
+# Environment: PYTEST_ARGS (extra args for both pytest runs, split on spaces:
+#   write `--deselect=ID` or `-k name`, not a quoted multi-word -k), BENCH_ARGS,
 #   TORCH_CUDA_ARCH_LIST (default 9.0), MAX_JOBS (default: cores),
 #   FULL_BUILD=1 (always the pip build), JUNIT=1, DEVICE_BUDGET_S.
 set -uo pipefail
