@@ -52,6 +52,12 @@ bool in_range(long v, long lo, long hi_exclusive) {
   return v >= lo && v < hi_exclusive;
 }
 
+// The (version, head_dim) pairs the H200 sweep measured; the rest of the
+// key-tail rule is conservative.
+bool key_tail_measured(long cudnn_version, int64_t head_dim) {
+  return cudnn_version == kCudnn9_19_0 && (head_dim == 64 || head_dim == 128);
+}
+
 }  // namespace
 
 const char* to_string(Plan plan) {
@@ -81,7 +87,7 @@ bool key_tail_defect(long cudnn_version, int64_t s_kv, int64_t head_dim,
   if (remainder == 0 || cudnn_version >= kCudnn9_26_0) {
     return false;
   }
-  if (cudnn_version == kCudnn9_19_0 && (head_dim == 64 || head_dim == 128)) {
+  if (key_tail_measured(cudnn_version, head_dim)) {
     return remainder == 64 && !is_causal;
   }
   return true;
@@ -126,9 +132,9 @@ Plan plan_for_cudnn(const SdpaInputs& in, const Settings& settings,
   if (!key_tail_defect(cudnn_version, in.s_kv(), in.head_dim(), in.is_causal)) {
     return Plan::kNone;
   }
-  const bool measured = cudnn_version == kCudnn9_19_0 &&
-                        (in.head_dim() == 64 || in.head_dim() == 128);
-  *rule = &rules()[measured ? kKeyTailMeasured : kKeyTailConservative];
+  *rule = &rules()[key_tail_measured(cudnn_version, in.head_dim())
+                       ? kKeyTailMeasured
+                       : kKeyTailConservative];
   if (in.dropout_p > 0.0) {
     return Plan::kPadForward;
   }

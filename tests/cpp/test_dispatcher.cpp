@@ -21,6 +21,8 @@
 #undef CHECK
 #include <catch2/catch.hpp>
 
+#include "scoped_env.h"
+
 using Catch::Matchers::Contains;
 
 namespace {
@@ -47,28 +49,6 @@ const c10::TypedOperatorHandle<PadKeysSig>& pad_keys_op() {
   return op;
 }
 
-// The op reads its settings from the environment: pin them per test.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = std::string(old);
-    set(value);
-  }
-  ~ScopedEnv() { set(old_ ? old_->c_str() : nullptr); }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  void set(const char* value) {
-    if (value == nullptr) {
-      ::unsetenv(name_);
-    } else {
-      ::setenv(name_, value, 1);
-    }
-  }
-  const char* name_;
-  std::optional<std::string> old_;
-};
 
 double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
   REQUIRE(a.sizes() == b.sizes());

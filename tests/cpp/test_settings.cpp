@@ -12,6 +12,8 @@
 #undef CHECK
 #include <catch2/catch.hpp>
 
+#include "scoped_env.h"
+
 using Catch::Matchers::Contains;
 using openwam::CudnnPreference;
 using openwam::PadMode;
@@ -21,31 +23,6 @@ namespace {
 constexpr const char* kCudnn = "OPENWAM_SDPA_CUDNN";
 constexpr const char* kPad = "OPENWAM_SDPA_PAD";
 constexpr const char* kCheck = "OPENWAM_SDPA_CHECK_FINITE";
-
-// Sets (or unsets) one variable and restores its old value on exit.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) {
-      old_ = std::string(old);
-    }
-    set(value);
-  }
-  ~ScopedEnv() { set(old_ ? old_->c_str() : nullptr); }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  void set(const char* value) {
-    if (value == nullptr) {
-      ::unsetenv(name_);
-    } else {
-      ::setenv(name_, value, 1);
-    }
-  }
-  const char* name_;
-  std::optional<std::string> old_;
-};
 
 // All three unset for the duration of a test.
 struct CleanEnv {
