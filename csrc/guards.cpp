@@ -74,11 +74,13 @@ const char* to_string(Plan plan) {
 const std::vector<GuardRule>& guard_rules() { return rules(); }
 
 long runtime_cudnn_version() {
-  const auto& hooks = at::detail::getCUDAHooks();
-  if (!hooks.hasCUDA() || !hooks.hasCuDNN()) {
-    return 0;
-  }
-  return hooks.versionRuntimeCuDNN();
+  // Every call reads it (dispatch and guards); the loaded library does not
+  // change within a process.
+  static const long version = [] {
+    const auto& hooks = at::detail::getCUDAHooks();
+    return hooks.hasCUDA() && hooks.hasCuDNN() ? hooks.versionRuntimeCuDNN() : 0L;
+  }();
+  return version;
 }
 
 bool key_tail_defect(long cudnn_version, int64_t s_kv, int64_t head_dim,
