@@ -9,12 +9,14 @@
 #   OPENWAM_SDPA_NO_CUDA=1 build the CPU-only extension even on a CUDA torch
 #   OPENWAM_SDPA_CXX_STD   force the C++ standard (17 or 20)
 #   OPENWAM_SDPA_DEBUG=1   keep debug info (-g; host code at -O0)
+#   OPENWAM_SDPA_ALLOW_PRIVATE_LIBSTDCXX=1  skip the linkage check (BuildAndCheckLinkage)
 #   MAX_JOBS               parallel compile jobs (ninja)
 #   CUDA_HOME              the CUDA toolkit (else /usr/local/cuda, else nvcc on PATH)
 import glob
 import os
 import re
 import shutil
+import subprocess
 import sys
 
 from setuptools import find_packages, setup
@@ -162,6 +164,53 @@ else:
         **ext_kwargs,
     )
 
+
+def _private_stream_symbols(library):
+    """Names of std::ostream members (mangled _ZNSo...) that `library` defines
+    itself, or None when binutils' nm is not there to tell."""
+    nm = shutil.which("nm")
+    if nm is None:
+        return None
+    out = subprocess.run([nm, "-D", "--defined-only", library], capture_output=True, text=True)
+    names = [line.split()[-1] for line in out.stdout.splitlines() if line.strip()]
+    return [name for name in names if name.startswith("_ZNSo")]
+
+
+class BuildAndCheckLinkage(BuildExtension):
+    """torch's BuildExtension, then a check of what the linker put in _C.so.
+
+    A compiler that links its own (part of) libstdc++ into the .so gives it a
+    private copy of the stream code next to the process's libstdc++: on the
+    H200 machine (torch 2.11.0+cu130, 2026-11-30) the default CXX,
+    /opt/gcc/bin/g++, did, and the first TORCH_CHECK message with a number in
+    it segfaulted (tests/test_errors.py; a backtrace from
+    notes/segv_backtrace.c ends in std::ostream::_M_insert<long> inside
+    _C.so). Built by the system /usr/bin/g++, _C.so defines no such symbol
+    and the same tests pass. On a CPU machine, linking with -static-libstdc++
+    reproduces it: the numbers vanish from the error messages (38 of
+    tests/test_errors.py fail). Such a build is refused here, not shipped.
+    """
+
+    def build_extensions(self):
+        super().build_extensions()
+        if os.environ.get("OPENWAM_SDPA_ALLOW_PRIVATE_LIBSTDCXX", "0") not in ("", "0"):
+            return
+        for ext in self.extensions:
+            library = self.get_ext_fullpath(ext.name)
+            private = _private_stream_symbols(library)
+            if private:
+                compiler = " ".join(getattr(self.compiler, "compiler_so", ["?"])[:1])
+                sys.exit(
+                    f"openwam_sdpa: {os.path.basename(library)} defines {len(private)} "
+                    f"std::ostream functions itself (e.g. {private[0]}): the compiler "
+                    f"({compiler}) linked a private copy of libstdc++ into it, and such a "
+                    "build crashes when it formats an error message. Rebuild with the "
+                    "compiler of the system libstdc++, e.g. CXX=/usr/bin/g++ CC=/usr/bin/gcc "
+                    "pip install --no-build-isolation . (OPENWAM_SDPA_ALLOW_PRIVATE_LIBSTDCXX=1 "
+                    "skips this check)."
+                )
+
+
 print(
     f"openwam_sdpa: torch {torch.__version__}, "
     + (f"CUDA build ({cuda_home}, arch {os.environ['TORCH_CUDA_ARCH_LIST']})"
@@ -174,6 +223,6 @@ setup(
     packages=sorted({"openwam_sdpa", *find_packages("python")}),
     package_dir={"": "python"},
     ext_modules=[ext],
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": BuildAndCheckLinkage},
     zip_safe=False,
 )

@@ -20,8 +20,15 @@ Methods: stock cuDNN / efficient / flash (F.scaled_dot_product_attention under
 torch.nn.attention.sdpa_kernel; flash only without a mask); "pad-fwd" (the seed
 approach: openwam_sdpa.pad_keys before the forward, then stock cuDNN on the
 padded K/V and bool mask); openwam_sdpa.sdpa with OPENWAM_SDPA_PAD=auto, always
-and never, all with OPENWAM_SDPA_CUDNN=1. The "auto" timings include its dQ
-repair kernel. Per-method failures are recorded, not raised.
+and never, all with OPENWAM_SDPA_CUDNN=1; "cudnn-again" (stock cuDNN measured a
+second time, last: an A/A control whose ratio is the run's noise floor). The
+"auto" timings include its dQ repair kernel. Per-method failures are recorded,
+not raised.
+
+The forward is also timed as device time (time_ms_device): every repeat is
+enqueued behind a spin kernel, so the events hold only the call's kernels.
+Per-call events include the host's launch time whenever a call is shorter
+than its launches (a 0.1 ms forward is), which measures the CPU, not the GPU.
 
 Layouts: "bshd" = storage [B,S,H,D] viewed as [B,H,S,D] (.transpose(1,2)),
 "bhsd" = contiguous [B,H,S,D]. The grad of the output follows the same layout.
@@ -180,10 +187,14 @@ def build_methods(ow, ow_error):
         openwam("auto"),
         openwam("always"),
         openwam("never"),
+        # A/A control: stock cuDNN again, measured last. Its ratio to "cudnn"
+        # is the run's noise floor (the two run the very same kernels).
+        Method("cudnn-again", lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION), stock),
     ]
 
 
-METHOD_NAMES = ("cudnn", "efficient", "flash", "pad-fwd", "openwam-auto", "openwam-always", "openwam-never")
+METHOD_NAMES = ("cudnn", "efficient", "flash", "pad-fwd", "openwam-auto", "openwam-always", "openwam-never",
+                "cudnn-again")
 
 # --------------------------------------------------------------------------- inputs
 
@@ -257,6 +268,41 @@ def time_ms(fn, warmup, repeats, setup=None):
         torch.cuda.synchronize()
         marks = [s.elapsed_time(e) for s, e in marks]
     return stats(marks)
+
+
+# About 50 ms of spinning on an H200 (1.98 GHz): longer than the host needs to
+# enqueue the repeats of one timing, so the GPU never waits for the host.
+SPIN_CYCLES = 100_000_000
+
+
+def time_ms_device(fn, warmup, repeats):
+    """Device time of each fn() with the host kept ahead of the GPU.
+
+    A spin kernel (torch.cuda._sleep) holds the stream while every repeat is
+    enqueued, so each event pair brackets only that call's kernels: the host's
+    launch overhead, which time_ms includes when a call is shorter than its
+    launches, is left out. Also returns host_us, the host's mean time per call,
+    and gap_us, the longest GPU idle time between calls (about 0 when the spin
+    covered the enqueueing; larger means the figure still holds host time).
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    marks = []
+    torch.cuda._sleep(SPIN_CYCLES)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        marks.append((start, end))
+    host_us = (time.perf_counter() - t0) / repeats * 1e6
+    torch.cuda.synchronize()
+    out = stats([s.elapsed_time(e) for s, e in marks])
+    out["host_us"] = host_us
+    out["gap_us"] = max((e.elapsed_time(s) * 1e3 for (_, e), (s, _) in zip(marks, marks[1:])), default=0.0)
+    return out
 
 
 def peak_mib(fn):
@@ -335,6 +381,8 @@ def measure(method, leaves, grad, mask, layout, ref_out, warmup, repeats):
                 rec["saved"] = saved_bytes(fwd, leaves, mask)
                 rec["peak_mib"] = peak_mib(lambda: bwd(fwd()))
                 rec["fwd"] = time_ms(lambda _: fwd(), warmup, repeats)
+                if torch.cuda.is_available():
+                    rec["fwd_dev"] = time_ms_device(fwd, warmup, repeats)
                 rec["bwd"] = time_ms(bwd, warmup, repeats, setup=fwd)
                 rec["fwdbwd"] = time_ms(lambda _: bwd(fwd()), warmup, repeats)
         except Exception as e:  # noqa: BLE001 - record and go on
@@ -394,9 +442,12 @@ def new_case(shape, layout):
 
 
 def metric(rec, key):
-    """A method record's figure: "fwd"/"bwd"/"fwdbwd" median ms, "peak" MiB, "saved" bytes beyond inputs."""
+    """A method record's figure: "fwd"/"bwd"/"fwdbwd"/"fwd_dev" median ms, "host" us per forward
+    call, "peak" MiB, "saved" bytes beyond inputs."""
     if not rec or "error" in rec or "skipped" in rec:
         return None
+    if key == "host":
+        return (rec.get("fwd_dev") or {}).get("host_us")
     if key == "peak":
         return rec.get("peak_mib")
     if key == "saved":
@@ -404,7 +455,7 @@ def metric(rec, key):
     return (rec.get(key) or {}).get("median_ms")
 
 
-RATIO_KEYS = ("fwd", "bwd", "fwdbwd", "peak", "saved")
+RATIO_KEYS = ("fwd", "fwd_dev", "host", "bwd", "fwdbwd", "peak", "saved")
 
 
 def ratio(a, b):
@@ -440,7 +491,7 @@ def summarize(cases, name):
     eq = [r["fwd_equal_cudnn"] for _, r in rows if "fwd_equal_cudnn" in r]
     out = {"cases": len(rows), "measured": len(ok), "errors": sum("error" in r for _, r in rows),
            "geomean_fwdbwd_ratio": geomean(fb), "fwd_bit_identical": f"{sum(eq)}/{len(eq)}"}
-    for key in ("fwdbwd", "fwd", "bwd", "peak"):
+    for key in ("fwdbwd", "fwd", "fwd_dev", "host", "bwd", "peak"):
         out[f"max_{key}_ratio"], out[f"max_{key}_case"] = worst(key)
     return out
 
@@ -449,7 +500,8 @@ def summary_line(name, s):
     f = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
     return (f"{name}: geomean fwd+bwd ratio {f(s['geomean_fwdbwd_ratio'])} over {s['measured']}/{s['cases']} "
             f"cases; max fwd+bwd {f(s['max_fwdbwd_ratio'])} ({s['max_fwdbwd_case']}); "
-            f"max fwd {f(s['max_fwd_ratio'])}; max bwd {f(s['max_bwd_ratio'])}; "
+            f"max fwd {f(s['max_fwd_ratio'])} (device time {f(s['max_fwd_dev_ratio'])}, "
+            f"host time per call {f(s['max_host_ratio'])}); max bwd {f(s['max_bwd_ratio'])}; "
             f"max peak-mem {f(s['max_peak_ratio'])}; forward bit-identical to stock cuDNN "
             f"{s['fwd_bit_identical']}; errors {s['errors']}")
 
@@ -472,12 +524,14 @@ def short(name):
     return name.replace("openwam-", "")
 
 
-def table(cases, methods, key, title, extras=False):
+def table(cases, methods, key, title, extras=False, host=False):
     """Markdown table: one row per shape x layout, stock cuDNN ms, then ratios to it per method."""
     others = [m for m in methods if m != BASE]
     head = ["shape", "mask", "layout", f"cuDNN {title} ms"] + [short(m) for m in others]
     if extras:
-        head += ["auto fwd", "auto peak", "saved MiB cuDNN / auto", "auto plan"]
+        head += ["auto fwd (device)", "auto peak", "saved MiB cuDNN / auto", "auto plan"]
+    if host:
+        head += ["host µs/call cuDNN / auto", "max GPU gap µs"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cases:
         ms = c["methods"]
@@ -487,9 +541,15 @@ def table(cases, methods, key, title, extras=False):
         if extras:
             auto = ms.get("openwam-auto", {})
             mib = [metric(ms.get(m), "saved") for m in (BASE, "openwam-auto")]
-            row += [cell(auto, "fwd"), cell(auto, "peak"),
+            row += [cell(auto, "fwd_dev"), cell(auto, "peak"),
                     " / ".join("—" if x is None else f"{x / MiB:.1f}" for x in mib),
                     str((auto.get("explain") or {}).get("plan", "—"))]
+        if host:
+            us = [metric(ms.get(m), "host") for m in (BASE, "openwam-auto")]
+            gaps = [(r.get("fwd_dev") or {}).get("gap_us") for r in ms.values() if isinstance(r, dict)]
+            gaps = [g for g in gaps if g is not None]
+            row += [" / ".join("—" if x is None else f"{x:.0f}" for x in us),
+                    f"{max(gaps):.1f}" if gaps else "—"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -506,11 +566,14 @@ def markdown(result):
         "F.sdpa backends (flash: no mask only, — elsewhere); pad-fwd = pad K/V and mask before the "
         "forward, then stock cuDNN; auto / always / never = openwam_sdpa with OPENWAM_SDPA_PAD=that "
         "and OPENWAM_SDPA_CUDNN=1. bshd = [B,S,H,D] storage viewed as [B,H,S,D]; bhsd = contiguous. "
+        "cudnn-again = stock cuDNN measured a second time, after the others: its distance from 1.00 "
+        "is the noise floor of this run. "
         "Bool masks are key-padding masks of the stated shape. "
         "The auto setting's dQ repair kernel is included in its timings.",
         "",
-        "**Forward + backward** (auto fwd / auto peak: ratios of forward time and of peak memory of "
-        "one fwd+bwd; saved MiB: bytes kept for backward beyond q, k, v):",
+        "**Forward + backward** (auto fwd (device) / auto peak: ratios of forward device time (the "
+        "forward device table below) and of peak memory of one fwd+bwd; saved MiB: bytes kept for "
+        "backward beyond q, k, v):",
         "",
         table(cases, methods, "fwdbwd", "fwd+bwd", extras=True),
         "",
@@ -520,6 +583,13 @@ def markdown(result):
     parts += [f"- {summary_line(short(m), result['summary'][m])}" for m in methods if m != BASE]
     parts += ["", "**Backward only:**", "", table(cases, methods, "bwd", "bwd"),
               "", "**Forward only** (grad mode):", "", table(cases, methods, "fwd", "fwd"), ""]
+    if any("fwd_dev" in r for c in cases for r in c["methods"].values()):
+        parts += ["**Forward device time** (grad mode; all repeats enqueued behind a spin kernel, so "
+                  "each event pair holds only the call's kernels and no host launch gap; host µs/call: "
+                  "the host's mean time per forward call while enqueueing; max GPU gap: the longest "
+                  "idle time between two calls on the GPU over all methods, about 0 when the figures "
+                  "are pure device time):", "",
+                  table(cases, methods, "fwd_dev", "fwd device", host=True), ""]
     return "\n".join(parts)
 
 
@@ -624,7 +694,8 @@ def fake_case(shape, layout, methods, rng):
             continue
         f = 1.0 if m == BASE else rng.uniform(0.9, 3.0)
         timings = {k: stats([scale * w * f * rng.uniform(0.95, 1.1) for _ in range(30)])
-                   for k, w in (("fwd", 0.25), ("bwd", 0.75), ("fwdbwd", 1.0))}
+                   for k, w in (("fwd", 0.25), ("fwd_dev", 0.24), ("bwd", 0.75), ("fwdbwd", 1.0))}
+        timings["fwd_dev"].update(host_us=rng.uniform(40, 90) * f, gap_us=rng.uniform(0.0, 2.0))
         nbytes = int(shape.b * shape.h * shape.sq * (shape.d * 2 + 4))
         case["methods"][m] = {**timings, "peak_mib": 100 * scale * f, "finite": True,
                               "saved": {"total_bytes": nbytes * 3, "beyond_inputs_bytes": nbytes,
@@ -649,7 +720,7 @@ def selftest(args):
     md = write_outputs(result, out)
     back = json.loads((out / "bench.json").read_text())
     assert len(back["cases"]) == len(shapes) * len(layouts)
-    assert md.count("\n| B") == 3 * len(back["cases"]), "one table row per case in each of 3 tables"
+    assert md.count("\n| B") == 4 * len(back["cases"]), "one table row per case in each of 4 tables"
     assert "matplotlib" not in sys.modules or (out / "bench.png").stat().st_size > 1000
     print(md)
     print(f"selftest OK: wrote {out}/bench.json, bench.md, bench.png")

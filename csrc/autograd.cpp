@@ -90,7 +90,7 @@ class CudnnSdpaFunction : public torch::autograd::Function<CudnnSdpaFunction> {
     ctx->saved_data["plan"] = plan_id;
     ctx->saved_data["check_finite"] = check_finite;
     ctx->saved_data["max_q"] = f.max_q;
-    ctx->saved_data["s_kv"] = key.size(2);
+    ctx->saved_data["s_kv"] = key.sym_size(2);
     return f.out;
   }
 
@@ -108,7 +108,7 @@ class CudnnSdpaFunction : public torch::autograd::Function<CudnnSdpaFunction> {
     f.logsumexp = saved[5];
     f.philox_seed = saved[6];
     f.philox_offset = saved[7];
-    f.max_q = ctx->saved_data["max_q"].toInt();
+    f.max_q = ctx->saved_data["max_q"].toSymInt();
     const double dropout_p = ctx->saved_data["dropout_p"].toDouble();
     bool causal = ctx->saved_data["is_causal"].toBool();
     std::optional<double> scale;
@@ -116,7 +116,7 @@ class CudnnSdpaFunction : public torch::autograd::Function<CudnnSdpaFunction> {
       scale = ctx->saved_data["scale"].toDouble();
     }
     const auto plan = static_cast<Plan>(ctx->saved_data["plan"].toInt());
-    const int64_t s_kv = ctx->saved_data["s_kv"].toInt();
+    const c10::SymInt s_kv = ctx->saved_data["s_kv"].toSymInt();
     const at::Tensor grad_out = grads[0];
 
     if (plan == Plan::kPadBackward) {
@@ -131,9 +131,9 @@ class CudnnSdpaFunction : public torch::autograd::Function<CudnnSdpaFunction> {
       repair_dq_(dq, grad_out, query, key, value, f.out, f.logsumexp, bias,
                  causal, s);
     }
-    if (dk.size(2) != s_kv) {
-      dk = dk.narrow(2, 0, s_kv);
-      dv = dv.narrow(2, 0, s_kv);
+    if (dk.sym_size(2) != s_kv) {
+      dk = dk.narrow_symint(2, 0, s_kv);
+      dv = dv.narrow_symint(2, 0, s_kv);
     }
     if (ctx->saved_data["check_finite"].toBool()) {
       check_finite_gradients(dq, dk, dv, query, key, f.logsumexp, plan);

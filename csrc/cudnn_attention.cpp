@@ -23,8 +23,8 @@ CudnnForward cudnn_forward(const at::Tensor& query, const at::Tensor& key,
   CudnnForward f;
   f.out = std::get<0>(result);
   f.logsumexp = std::get<1>(result);
-  f.max_q = std::get<4>(result).expect_int();
-  f.max_k = std::get<5>(result).expect_int();
+  f.max_q = std::get<4>(result);
+  f.max_k = std::get<5>(result);
   f.philox_seed = std::get<6>(result);
   f.philox_offset = std::get<7>(result);
   return f;
@@ -36,10 +36,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cudnn_backward(
     const at::Tensor& bias, double dropout_p, bool is_causal,
     std::optional<double> scale) {
   // The dense path takes no cumulative sequence lengths.
-  return at::_scaled_dot_product_cudnn_attention_backward(
+  return at::_scaled_dot_product_cudnn_attention_backward_symint(
       grad_out, query, key, value, forward.out, forward.logsumexp,
       forward.philox_seed, forward.philox_offset, bias, at::Tensor(),
-      at::Tensor(), forward.max_q, key.size(2), dropout_p, is_causal, scale);
+      at::Tensor(), forward.max_q, key.sym_size(2), dropout_p, is_causal, scale);
 }
 
 at::Tensor cudnn_bias(const at::Tensor& mask, at::ScalarType dtype,

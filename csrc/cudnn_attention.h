@@ -14,8 +14,11 @@ struct CudnnForward {
   at::Tensor logsumexp;  // [B, H, L, 1] float32; undefined unless asked for
   at::Tensor philox_seed;
   at::Tensor philox_offset;
-  int64_t max_q = 0;
-  int64_t max_k = 0;
+  // Symbolic while torch.compile traces with dynamic shapes: a plain int
+  // here would fail (or pin the sequence length) under opcheck's
+  // aot_dispatch_dynamic.
+  c10::SymInt max_q = 0;
+  c10::SymInt max_k = 0;
 };
 
 // `bias` is undefined for "no bias".

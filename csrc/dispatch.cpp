@@ -55,7 +55,8 @@ bool cudnn_can_serve(const SdpaInputs& in, std::string* why_not) {
     return fail(why_not, "dtype is not float16/bfloat16");
   }
   if (q.dim() != 3 && q.dim() != 4) return fail(why_not, "inputs are not 3-D or 4-D");
-  if (q.numel() == 0 || k.numel() == 0 || v.numel() == 0) {
+  // sym_numel: numel() throws on the symbolic sizes of a dynamic-shape trace.
+  if (q.sym_numel() == 0 || k.sym_numel() == 0 || v.sym_numel() == 0) {
     return fail(why_not, "an input is empty");
   }
   const int64_t d = in.head_dim();

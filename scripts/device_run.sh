@@ -6,19 +6,20 @@
 #   run(command="bash scripts/device_run.sh build tests", carry=[".deps"])   # no benchmark
 #   run(command="PYTEST_ARGS='-k adversarial' bash scripts/device_run.sh gpu")
 #
-# Parts (default: build tests bench):
+# Parts (default: build tests doctor bench):
 #   build   the extension: pip install --no-build-isolation --no-deps -e .
 #           (on a warm machine that already has it: incremental build_ext)
 #   ctest   CMake build of the op library + Catch2 tests, then ctest
 #   cpu     python -m pytest -q tests --ignore=tests/gpu   (the CPU suite)
 #   gpu     python -m pytest -q tests/gpu
 #   tests   = ctest cpu gpu
+#   doctor  python -m openwam_sdpa doctor (report to $OUT/doctor.txt)
 #   bench   python benchmarks/bench_sdpa.py --out $OUT/bench $BENCH_ARGS
 # A test part on a machine without the built extension builds it first.
 #
 # Files under $OUT (at most 8 come back): build.log (extension + CMake build),
 # tests.log (ctest and both pytest runs), gpu_suite_results.{json,md} (written
-# by tests/gpu/conftest.py), bench/bench.{json,md,png}. With JUNIT=1 also
+# by tests/gpu/conftest.py), doctor.txt, bench/bench.{json,md,png}. With JUNIT=1 also
 # pytest_gpu.xml (then 9 files with a full run: leave out a part).
 # The summary table is printed last. The whole run stops itself before
 # DEVICE_BUDGET_S seconds (default 560; the tool's limit is 600): parts that
@@ -41,6 +42,11 @@ export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=i
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1   # nothing outside can be reached
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+# The machine's default CXX, /opt/gcc/bin/g++, links a private copy of
+# libstdc++'s stream code into the extension, which then segfaults formatting
+# its first error message (2026-11-30; setup.py now refuses such a build).
+# The system compiler builds against the libstdc++ the process loads.
+if [[ -x /usr/bin/g++ && -x /usr/bin/gcc ]]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
 # CMake 4 (pip's) refuses config files that declare a minimum below 3.5.
 export CMAKE_POLICY_VERSION_MINIMUM=${CMAKE_POLICY_VERSION_MINIMUM:-3.5}
 export OUT
@@ -65,8 +71,8 @@ section() { local f=$1; shift; printf '\n===== %s =====\n' "$*" >>"$f"; }
 
 # ------------------------------------------------------------ which parts
 parts=("$@")
-((${#parts[@]})) || parts=(build tests bench)
-want_build=0 want_ctest=0 want_cpu=0 want_gpu=0 want_bench=0
+((${#parts[@]})) || parts=(build tests doctor bench)
+want_build=0 want_ctest=0 want_cpu=0 want_gpu=0 want_doctor=0 want_bench=0
 for p in "${parts[@]}"; do
   case $p in
     build) want_build=1 ;;
@@ -74,9 +80,10 @@ for p in "${parts[@]}"; do
     cpu) want_cpu=1 ;;
     gpu) want_gpu=1 ;;
     tests) want_ctest=1 want_cpu=1 want_gpu=1 ;;
+    doctor) want_doctor=1 ;;
     bench) want_bench=1 ;;
-    all) want_build=1 want_ctest=1 want_cpu=1 want_gpu=1 want_bench=1 ;;
-    *) echo "device_run.sh: unknown part '$p' (build ctest cpu gpu tests bench all)"; exit 2 ;;
+    all) want_build=1 want_ctest=1 want_cpu=1 want_gpu=1 want_doctor=1 want_bench=1 ;;
+    *) echo "device_run.sh: unknown part '$p' (build ctest cpu gpu tests doctor bench all)"; exit 2 ;;
   esac
 done
 
@@ -93,7 +100,7 @@ say "nvcc $(nvcc --version 2>/dev/null | grep -oE 'release [0-9.]+' || echo 'NOT
 cmake $(cmake --version 2>/dev/null | head -1 | grep -oE '[0-9.]+$'), $(nproc) cores, \
 TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, parts: ${parts[*]}"
 
-st_build="-" st_ctest="-" st_cpu="-" st_gpu="-" st_bench="-" build_s="-"
+st_build="-" st_ctest="-" st_cpu="-" st_gpu="-" st_doctor="-" st_bench="-" build_s="-"
 
 ext_importable() {
   (cd /tmp && "$PY" -c 'import openwam_sdpa._C' >/dev/null 2>&1)
@@ -116,6 +123,7 @@ do_build() {
   build_s=$((SECONDS - t))
   if ((rc == 0)) && ext_importable; then
     st_build="ok (${build_s}s)"
+    say "build: linked by $(grep -oE '^ *[^ ]+ .*-shared' "$BUILD_LOG" | tail -1 | awk '{print $1}')"
   else
     st_build="FAILED (rc $rc, ${build_s}s)"
     grep -E -A6 'error|Error' "$BUILD_LOG" | head -40
@@ -124,7 +132,7 @@ do_build() {
   fi
   say "build: $st_build"
 }
-if ((want_build)) || { ((want_cpu || want_gpu || want_bench)) && ! ext_importable; }; then
+if ((want_build)) || { ((want_cpu || want_gpu || want_doctor || want_bench)) && ! ext_importable; }; then
   do_build
 fi
 
@@ -198,6 +206,20 @@ if ((want_gpu)); then
   pytest_part gpu 300 tests/gpu "${junit[@]}"; st_gpu=$REPLY
 fi
 
+# ------------------------------------------------------------ doctor
+if ((want_doctor)); then
+  say "doctor: python -m openwam_sdpa doctor"
+  (cd /tmp && run_limited 120 "$OUT/doctor.txt" "$PY" -m openwam_sdpa doctor)
+  rc=$?
+  # Exit 0 (not affected) and 1 (affected, openwam_sdpa fixes it) are both a
+  # working doctor; 2 means openwam_sdpa itself gave non-finite gradients.
+  case $rc in
+    0|1) st_doctor="ok (exit $rc): $(grep '^verdict:' "$OUT/doctor.txt" | cut -c10-120)" ;;
+    *) st_doctor="FAILED (exit $rc): $(tail -1 "$OUT/doctor.txt" | cut -c1-120)" ;;
+  esac
+  say "doctor: $st_doctor"
+fi
+
 # ------------------------------------------------------------ benchmark
 if ((want_bench)); then
   if [[ -f benchmarks/bench_sdpa.py ]]; then
@@ -224,10 +246,11 @@ fi
 nfiles=$(find "$OUT" -type f | wc -l)
 echo
 echo "==================== device_run summary ($((SECONDS - T0))s) ===================="
-printf '%-7s %s\n' build "$st_build" ctest "$st_ctest" cpu "$st_cpu" gpu "$st_gpu" bench "$st_bench"
+printf '%-7s %s\n' build "$st_build" ctest "$st_ctest" cpu "$st_cpu" gpu "$st_gpu" doctor "$st_doctor" \
+  bench "$st_bench"
 printf '%-7s %s\n' files "$nfiles under \$OUT$( ((nfiles > 8)) && echo ' (OVER 8: some will not come back)')"
 fail=0
-for s in "$st_build" "$st_ctest" "$st_cpu" "$st_gpu" "$st_bench"; do
+for s in "$st_build" "$st_ctest" "$st_cpu" "$st_gpu" "$st_doctor" "$st_bench"; do
   [[ "$s" == "-" || "$s" == ok* || "$s" == "no benchmarks"* ]] || fail=1
 done
 exit $fail

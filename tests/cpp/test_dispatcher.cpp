@@ -247,7 +247,6 @@ TEST_CASE("decide() on CPU inputs never picks cuDNN", "[dispatcher]") {
   at::AutoGradMode grad_on(true);
   REQUIRE(in.differentiated());
 
-  CHECK(openwam::runtime_cudnn_version() == 0);
   std::string why;
   CHECK_FALSE(openwam::cudnn_can_serve(in, &why));
   CHECK_FALSE(why.empty());
