@@ -275,33 +275,39 @@ def time_ms(fn, warmup, repeats, setup=None):
 SPIN_CYCLES = 100_000_000
 
 
-def time_ms_device(fn, warmup, repeats):
-    """Device time of each fn() with the host kept ahead of the GPU.
+def time_ms_device(fn, warmup, repeats, setup=None):
+    """Device time of each fn(setup()) with the host kept ahead of the GPU.
 
     A spin kernel (torch.cuda._sleep) holds the stream while every repeat is
-    enqueued, so each event pair brackets only that call's kernels: the host's
-    launch overhead, which time_ms includes when a call is shorter than its
-    launches, is left out. Also returns host_us, the host's mean time per call,
-    and gap_us, the longest GPU idle time between calls (about 0 when the spin
-    covered the enqueueing; larger means the figure still holds host time).
+    enqueued, so each event pair brackets only that call's kernels (setup's
+    kernels run before the start event): the host's launch overhead, which
+    time_ms includes when a call is shorter than its launches, is left out.
+    Also returns host_us, the host's mean time per repeat (setup included),
+    and, without a setup, gap_us: the longest GPU idle time between calls
+    (about 0 when the spin covered the enqueueing; larger means the figure
+    still holds host time).
     """
     for _ in range(warmup):
-        fn()
+        fn(setup() if setup else None)
     torch.cuda.synchronize()
     marks = []
     torch.cuda._sleep(SPIN_CYCLES)
     t0 = time.perf_counter()
     for _ in range(repeats):
+        arg = setup() if setup else None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        fn(arg)
         end.record()
         marks.append((start, end))
+        del arg
     host_us = (time.perf_counter() - t0) / repeats * 1e6
     torch.cuda.synchronize()
     out = stats([s.elapsed_time(e) for s, e in marks])
     out["host_us"] = host_us
-    out["gap_us"] = max((e.elapsed_time(s) * 1e3 for (_, e), (s, _) in zip(marks, marks[1:])), default=0.0)
+    if setup is None:
+        out["gap_us"] = max((e.elapsed_time(s) * 1e3 for (_, e), (s, _) in zip(marks, marks[1:])),
+                            default=0.0)
     return out
 
 
@@ -382,7 +388,9 @@ def measure(method, leaves, grad, mask, layout, ref_out, warmup, repeats):
                 rec["peak_mib"] = peak_mib(lambda: bwd(fwd()))
                 rec["fwd"] = time_ms(lambda _: fwd(), warmup, repeats)
                 if torch.cuda.is_available():
-                    rec["fwd_dev"] = time_ms_device(fwd, warmup, repeats)
+                    rec["fwd_dev"] = time_ms_device(lambda _: fwd(), warmup, repeats)
+                    rec["bwd_dev"] = time_ms_device(bwd, warmup, repeats, setup=fwd)
+                    rec["fwdbwd_dev"] = time_ms_device(lambda _: bwd(fwd()), warmup, repeats)
                 rec["bwd"] = time_ms(bwd, warmup, repeats, setup=fwd)
                 rec["fwdbwd"] = time_ms(lambda _: bwd(fwd()), warmup, repeats)
         except Exception as e:  # noqa: BLE001 - record and go on
@@ -442,8 +450,8 @@ def new_case(shape, layout):
 
 
 def metric(rec, key):
-    """A method record's figure: "fwd"/"bwd"/"fwdbwd"/"fwd_dev" median ms, "host" us per forward
-    call, "peak" MiB, "saved" bytes beyond inputs."""
+    """A method record's figure: "fwd"/"bwd"/"fwdbwd" median ms (with "_dev": device time),
+    "host" us per forward call, "peak" MiB, "saved" bytes beyond inputs."""
     if not rec or "error" in rec or "skipped" in rec:
         return None
     if key == "host":
@@ -455,7 +463,7 @@ def metric(rec, key):
     return (rec.get(key) or {}).get("median_ms")
 
 
-RATIO_KEYS = ("fwd", "fwd_dev", "host", "bwd", "fwdbwd", "peak", "saved")
+RATIO_KEYS = ("fwd", "fwd_dev", "host", "bwd", "bwd_dev", "fwdbwd", "fwdbwd_dev", "peak", "saved")
 
 
 def ratio(a, b):
@@ -488,10 +496,12 @@ def summarize(cases, name):
         return max(vals) if vals else (None, None)
 
     fb = [r["ratios"]["fwdbwd"] for _, r in ok if r["ratios"]["fwdbwd"]]
+    fb_dev = [r["ratios"]["fwdbwd_dev"] for _, r in ok if r["ratios"].get("fwdbwd_dev")]
     eq = [r["fwd_equal_cudnn"] for _, r in rows if "fwd_equal_cudnn" in r]
     out = {"cases": len(rows), "measured": len(ok), "errors": sum("error" in r for _, r in rows),
-           "geomean_fwdbwd_ratio": geomean(fb), "fwd_bit_identical": f"{sum(eq)}/{len(eq)}"}
-    for key in ("fwdbwd", "fwd", "fwd_dev", "host", "bwd", "peak"):
+           "geomean_fwdbwd_ratio": geomean(fb), "geomean_fwdbwd_dev_ratio": geomean(fb_dev),
+           "fwd_bit_identical": f"{sum(eq)}/{len(eq)}"}
+    for key in ("fwdbwd", "fwdbwd_dev", "fwd", "fwd_dev", "host", "bwd", "bwd_dev", "peak"):
         out[f"max_{key}_ratio"], out[f"max_{key}_case"] = worst(key)
     return out
 
@@ -499,7 +509,9 @@ def summarize(cases, name):
 def summary_line(name, s):
     f = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
     return (f"{name}: geomean fwd+bwd ratio {f(s['geomean_fwdbwd_ratio'])} over {s['measured']}/{s['cases']} "
-            f"cases; max fwd+bwd {f(s['max_fwdbwd_ratio'])} ({s['max_fwdbwd_case']}); "
+            f"cases; max fwd+bwd {f(s['max_fwdbwd_ratio'])} ({s['max_fwdbwd_case']}); device time: "
+            f"geomean fwd+bwd {f(s['geomean_fwdbwd_dev_ratio'])}, max fwd+bwd "
+            f"{f(s['max_fwdbwd_dev_ratio'])}, max bwd {f(s['max_bwd_dev_ratio'])}; "
             f"max fwd {f(s['max_fwd_ratio'])} (device time {f(s['max_fwd_dev_ratio'])}, "
             f"host time per call {f(s['max_host_ratio'])}); max bwd {f(s['max_bwd_ratio'])}; "
             f"max peak-mem {f(s['max_peak_ratio'])}; forward bit-identical to stock cuDNN "
@@ -590,6 +602,10 @@ def markdown(result):
                   "idle time between two calls on the GPU over all methods, about 0 when the figures "
                   "are pure device time):", "",
                   table(cases, methods, "fwd_dev", "fwd device", host=True), ""]
+    if any("fwdbwd_dev" in r for c in cases for r in c["methods"].values()):
+        parts += ["**Forward + backward device time** (the same method: each repeat's forward and "
+                  "backward enqueued behind the spin kernel):", "",
+                  table(cases, methods, "fwdbwd_dev", "fwd+bwd device"), ""]
     return "\n".join(parts)
 
 
@@ -694,7 +710,8 @@ def fake_case(shape, layout, methods, rng):
             continue
         f = 1.0 if m == BASE else rng.uniform(0.9, 3.0)
         timings = {k: stats([scale * w * f * rng.uniform(0.95, 1.1) for _ in range(30)])
-                   for k, w in (("fwd", 0.25), ("fwd_dev", 0.24), ("bwd", 0.75), ("fwdbwd", 1.0))}
+                   for k, w in (("fwd", 0.25), ("fwd_dev", 0.24), ("bwd", 0.75), ("bwd_dev", 0.74),
+                                ("fwdbwd", 1.0), ("fwdbwd_dev", 0.98))}
         timings["fwd_dev"].update(host_us=rng.uniform(40, 90) * f, gap_us=rng.uniform(0.0, 2.0))
         nbytes = int(shape.b * shape.h * shape.sq * (shape.d * 2 + 4))
         case["methods"][m] = {**timings, "peak_mib": 100 * scale * f, "finite": True,
@@ -720,7 +737,7 @@ def selftest(args):
     md = write_outputs(result, out)
     back = json.loads((out / "bench.json").read_text())
     assert len(back["cases"]) == len(shapes) * len(layouts)
-    assert md.count("\n| B") == 4 * len(back["cases"]), "one table row per case in each of 4 tables"
+    assert md.count("\n| B") == 5 * len(back["cases"]), "one table row per case in each of 5 tables"
     assert "matplotlib" not in sys.modules or (out / "bench.png").stat().st_size > 1000
     print(md)
     print(f"selftest OK: wrote {out}/bench.json, bench.md, bench.png")
