@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -20,7 +19,7 @@ NO_GPU = pytest.mark.skipif(torch.cuda.is_available(),
 
 def run_module(*args):
     return subprocess.run([sys.executable, "-m", "openwam_sdpa", *args], capture_output=True,
-                          text=True, timeout=300, env=os.environ.copy())
+                          text=True, timeout=300)
 
 
 @NO_GPU
