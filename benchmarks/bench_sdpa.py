@@ -29,6 +29,14 @@ The forward is also timed as device time (time_ms_device): every repeat is
 enqueued behind a spin kernel, so the events hold only the call's kernels.
 Per-call events include the host's launch time whenever a call is shorter
 than its launches (a 0.1 ms forward is), which measures the CPU, not the GPU.
+Backward and forward+backward are timed that way too.
+
+The paired timing (paired(), --paired-rounds) answers "how much slower than
+stock cuDNN is openwam_sdpa as shipped?" with drift cancelled: openwam_sdpa at
+default settings (no OPENWAM_SDPA_* variable), stock cuDNN and stock cuDNN
+again are timed in rounds, order rotating, and each ratio is the median of the
+per-round ratios. Separate per-method timings minutes apart absorb clock and
+temperature drift into their ratios (the A/A control above showed up to 4%).
 
 Layouts: "bshd" = storage [B,S,H,D] viewed as [B,H,S,D] (.transpose(1,2)),
 "bhsd" = contiguous [B,H,S,D]. The grad of the output follows the same layout.
@@ -123,9 +131,13 @@ class Method:
 
 @contextlib.contextmanager
 def env_vars(**values):
-    """Set environment variables for the duration of the block, then restore them."""
+    """Set (None: unset) environment variables for the duration of the block, then restore them."""
     old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         yield
     finally:
@@ -191,6 +203,13 @@ def build_methods(ow, ow_error):
         # is the run's noise floor (the two run the very same kernels).
         Method("cudnn-again", lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION), stock),
     ]
+
+
+def default_method(ow, ow_error):
+    """openwam_sdpa as shipped: no OPENWAM_SDPA_* variable set (the paired timing's contender)."""
+    m = build_methods(ow, ow_error)[METHOD_NAMES.index("openwam-auto")]
+    unset = {k: None for k in ("OPENWAM_SDPA_PAD", "OPENWAM_SDPA_CUDNN", "OPENWAM_SDPA_CHECK_FINITE")}
+    return Method("openwam-default", lambda: env_vars(**unset), m.call, explain=m.explain)
 
 
 METHOD_NAMES = ("cudnn", "efficient", "flash", "pad-fwd", "openwam-auto", "openwam-always", "openwam-never",
@@ -358,10 +377,8 @@ def all_finite(tensors):
     return bool(all(torch.isfinite(t).all().item() for t in tensors))
 
 
-def measure(method, leaves, grad, mask, layout, ref_out, warmup, repeats):
-    """Every figure for one method on one input set; errors are recorded in rec["error"]."""
-    if method.no_mask_only and mask is not None:
-        return {"skipped": f"{method.name} takes no mask"}
+def step_fns(method, leaves, grad, mask, layout):
+    """(fwd, bwd): fwd() runs the method's forward on the inputs, bwd(out) the gradient call."""
 
     def fwd():
         q, k, v = (to_bhsd(t, layout) for t in leaves)
@@ -370,6 +387,14 @@ def measure(method, leaves, grad, mask, layout, ref_out, warmup, repeats):
     def bwd(out):
         torch.autograd.grad(out, leaves, grad)
 
+    return fwd, bwd
+
+
+def measure(method, leaves, grad, mask, layout, ref_out, warmup, repeats):
+    """Every figure for one method on one input set; errors are recorded in rec["error"]."""
+    if method.no_mask_only and mask is not None:
+        return {"skipped": f"{method.name} takes no mask"}
+    fwd, bwd = step_fns(method, leaves, grad, mask, layout)
     rec = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -401,6 +426,45 @@ def measure(method, leaves, grad, mask, layout, ref_out, warmup, repeats):
     return rec
 
 
+def per_round_stats(ratios):
+    return {"median": percentile(ratios, 50), "min": min(ratios), "max": max(ratios)}
+
+
+def paired(contenders, leaves, grad, mask, layout, ref_out, rounds, warmup, repeats):
+    """Interleaved device timings: each contender's ratio to the first, per round, then the median.
+
+    Each round times every contender's forward and forward+backward (time_ms_device), the order
+    rotating from round to round, so drift of clocks and temperature over the run, which separate
+    per-method timings absorb into their ratios, falls on all contenders alike. The contenders are
+    stock cuDNN, openwam_sdpa at default settings and stock cuDNN again (the A/A control).
+    """
+    fns = [(m, *step_fns(m, leaves, grad, mask, layout)) for m in contenders]
+    out = {"rounds": rounds, "repeats": repeats, "fwd_equal_cudnn": {}, "ratios": {}}
+    for m, fwd, _ in fns[1:]:
+        with m.context():
+            out["fwd_equal_cudnn"][m.name] = ref_out is not None and bool(torch.equal(fwd(), ref_out))
+            if m.explain is not None:
+                out["explain"] = explain(m, leaves, mask, layout)
+    runs = {m.name: {"fwd": [], "fwdbwd": [], "fwd_host_us": []} for m in contenders}
+    for r in range(rounds):
+        shift = r % len(fns)
+        for m, fwd, bwd in fns[shift:] + fns[:shift]:
+            with m.context():
+                t = time_ms_device(lambda _: fwd(), warmup, repeats)
+                runs[m.name]["fwd"].append(t["median_ms"])
+                runs[m.name]["fwd_host_us"].append(t["host_us"])
+                runs[m.name]["fwdbwd"].append(
+                    time_ms_device(lambda _: bwd(fwd()), warmup, repeats)["median_ms"])
+    base = contenders[0].name
+    out["ms"] = runs
+    for m in contenders[1:]:
+        out["ratios"][m.name] = {}
+        for key in ("fwd", "fwdbwd", "fwd_host_us"):
+            out["ratios"][m.name][key] = per_round_stats(
+                [a / b for a, b in zip(runs[m.name][key], runs[base][key])])
+    return out
+
+
 def explain(method, leaves, mask, layout):
     """method.explain() on the benchmark inputs as a JSON-safe dict; a failure is recorded, not raised."""
     try:
@@ -419,8 +483,8 @@ def reference_out(methods, leaves, mask, layout):
         return None
 
 
-def run_case(shape, layout, methods, seed, args):
-    """Measure all methods on one shape x layout; frees its memory before returning."""
+def run_case(shape, layout, methods, contenders, seed, args):
+    """Measure all methods (then the paired contenders) on one shape x layout; frees its memory."""
     case = new_case(shape, layout)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -428,6 +492,12 @@ def run_case(shape, layout, methods, seed, args):
         ref = reference_out(methods, leaves, mask, layout)
         for m in methods:
             case["methods"][m.name] = measure(m, leaves, grad, mask, layout, ref, args.warmup, args.repeats)
+        if contenders and args.paired_rounds > 0:
+            try:
+                case["paired"] = paired(contenders, leaves, grad, mask, layout, ref, args.paired_rounds,
+                                        args.warmup, args.paired_repeats)
+            except Exception as e:  # noqa: BLE001 - record and go on
+                case["paired"] = {"error": f"{type(e).__name__}: {e}"[:600]}
         del leaves, grad, mask, ref
     except Exception as e:  # noqa: BLE001 - e.g. out of memory building inputs
         case["error"] = f"{type(e).__name__}: {e}"[:600]
@@ -491,8 +561,7 @@ def summarize(cases, name):
     ok = [(c, r) for c, r in rows if r.get("ratios")]
 
     def worst(key):
-        vals = [(r["ratios"][key], f'{c["label"]} {c["mask"]} {c["layout"]}') for c, r in ok
-                if r["ratios"].get(key) is not None]
+        vals = [(r["ratios"][key], case_name(c)) for c, r in ok if r["ratios"].get(key) is not None]
         return max(vals) if vals else (None, None)
 
     fb = [r["ratios"]["fwdbwd"] for _, r in ok if r["ratios"]["fwdbwd"]]
@@ -504,6 +573,46 @@ def summarize(cases, name):
     for key in ("fwdbwd", "fwdbwd_dev", "fwd", "fwd_dev", "host", "bwd", "bwd_dev", "peak"):
         out[f"max_{key}_ratio"], out[f"max_{key}_case"] = worst(key)
     return out
+
+
+def case_name(c):
+    return f'{c["label"]} {c["mask"]} {c["layout"]}'
+
+
+PAIRED_NAMES = ("openwam-default", "cudnn-again")  # the paired timing's contenders after stock cuDNN
+
+
+def paired_ratio(case, name, key):
+    """A case's paired median ratio of contender `name` ("fwd" or "fwdbwd"), or None."""
+    r = ((case.get("paired") or {}).get("ratios") or {}).get(name)
+    return r[key]["median"] if r else None
+
+
+def summarize_paired(cases):
+    """Geomean and max over the cases of each paired contender's median ratios to stock cuDNN."""
+    out = {}
+    for name in PAIRED_NAMES:
+        entry = {"measured": sum(paired_ratio(c, name, "fwd") is not None for c in cases)}
+        for key in ("fwd", "fwdbwd", "fwd_host_us"):
+            vals = [(v, case_name(c)) for c in cases if (v := paired_ratio(c, name, key)) is not None]
+            entry[f"geomean_{key}"] = geomean([v for v, _ in vals])
+            entry[f"max_{key}"], entry[f"max_{key}_case"] = max(vals) if vals else (None, None)
+        out[name] = entry
+    eq = [(c.get("paired") or {}).get("fwd_equal_cudnn", {}).get(PAIRED_NAMES[0]) for c in cases]
+    out["fwd_bit_identical"] = f"{sum(e is True for e in eq)}/{sum(e is not None for e in eq)}"
+    return out
+
+
+def paired_summary_line(ps):
+    f = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    d, aa = ps[PAIRED_NAMES[0]], ps[PAIRED_NAMES[1]]
+    return (f"paired device time, openwam_sdpa at default settings / stock cuDNN over {d['measured']} cases: "
+            f"forward geomean {f(d['geomean_fwd'])}, max {f(d['max_fwd'])} ({d['max_fwd_case']}); "
+            f"fwd+bwd geomean {f(d['geomean_fwdbwd'])}, max {f(d['max_fwdbwd'])} ({d['max_fwdbwd_case']}); "
+            f"host time per forward call geomean {f(d['geomean_fwd_host_us'])}, max {f(d['max_fwd_host_us'])}; "
+            f"forward bit-identical {ps['fwd_bit_identical']}. A/A control (stock again / stock): forward "
+            f"geomean {f(aa['geomean_fwd'])}, max {f(aa['max_fwd'])}; fwd+bwd geomean "
+            f"{f(aa['geomean_fwdbwd'])}, max {f(aa['max_fwdbwd'])}")
 
 
 def summary_line(name, s):
@@ -565,6 +674,34 @@ def table(cases, methods, key, title, extras=False, host=False):
     return "\n".join(lines)
 
 
+def paired_table(cases):
+    """Markdown table of the paired timing: per-round ratios' median [min-max] per contender."""
+    head = ["shape", "mask", "layout", "cuDNN fwd device ms", "default fwd", "A/A fwd",
+            "cuDNN fwd+bwd device ms", "default fwd+bwd", "A/A fwd+bwd", "fwd host µs/call cuDNN / default",
+            "default plan", "fwd bit-identical"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in cases:
+        pr = c.get("paired")
+        if not pr:
+            continue
+        row = [c["label"], c["mask"], c["layout"]]
+        if "error" in pr:
+            lines.append("| " + " | ".join(row + ["err"] * (len(head) - 3)) + " |")
+            continue
+        for key in ("fwd", "fwdbwd"):
+            row.append(f'{percentile(pr["ms"][BASE][key], 50):.3f}')
+            for name in PAIRED_NAMES:
+                r = pr["ratios"][name][key]
+                row.append(f'{r["median"]:.3f} [{r["min"]:.2f}–{r["max"]:.2f}]')
+        host = [percentile(pr["ms"][n]["fwd_host_us"], 50) for n in (BASE, PAIRED_NAMES[0])]
+        row.append(" / ".join(f"{x:.0f}" for x in host))
+        ex = pr.get("explain") or {}
+        row += [f'{ex.get("plan", "—")} ({ex.get("backend", "—")})',
+                "yes" if pr["fwd_equal_cudnn"].get(PAIRED_NAMES[0]) else "NO"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def markdown(result):
     st, cases, methods = result["stack"], result["cases"], result["settings"]["methods"]
     s = st["settings"]
@@ -605,6 +742,16 @@ def markdown(result):
         parts += ["**Forward + backward device time** (the same method: each repeat's forward and "
                   "backward enqueued behind the spin kernel):", "",
                   table(cases, methods, "fwdbwd_dev", "fwd+bwd device"), ""]
+    if result.get("paired_summary"):
+        st_set = result["settings"]
+        parts += [f"**Paired device time** (openwam_sdpa at default settings, no OPENWAM_SDPA_* variable "
+                  f"set, against stock cuDNN and stock cuDNN again, the A/A control: "
+                  f"{st_set.get('paired_rounds')} rounds, each timing every contender's forward and "
+                  f"forward+backward as device time over {st_set.get('paired_repeats')} repeats, the order "
+                  "rotating from round to round; each cell is the median over rounds of the per-round "
+                  "ratio to stock cuDNN, [min–max] over rounds):", "",
+                  paired_table(result["cases"]), "",
+                  f"- {paired_summary_line(result['paired_summary'])}", ""]
     return "\n".join(parts)
 
 
@@ -720,6 +867,15 @@ def fake_case(shape, layout, methods, rng):
             case["methods"][m]["explain"] = {"backend": "cudnn", "plan": "repair_dq"}
         if m != BASE:
             case["methods"][m]["fwd_equal_cudnn"] = m != "pad-fwd"
+    rounds = 3
+    ms = {n: {k: [scale * w * rng.uniform(0.98, 1.03) for _ in range(rounds)]
+              for k, w in (("fwd", 0.24), ("fwdbwd", 0.98), ("fwd_host_us", 400.0 / scale))}
+          for n in (BASE, *PAIRED_NAMES)}
+    case["paired"] = {
+        "rounds": rounds, "repeats": 30, "ms": ms, "fwd_equal_cudnn": {n: True for n in PAIRED_NAMES},
+        "explain": {"backend": "cudnn", "plan": "repair_dq"},
+        "ratios": {n: {k: per_round_stats([a / b for a, b in zip(ms[n][k], ms[BASE][k])])
+                       for k in ("fwd", "fwdbwd", "fwd_host_us")} for n in PAIRED_NAMES}}
     add_ratios(case)
     return case
 
@@ -729,6 +885,7 @@ def selftest(args):
     rng = random.Random(0)
     shapes, layouts, methods = select(args)
     settings = {"repeats": args.repeats, "warmup": args.warmup, "methods": methods, "selftest": True,
+                "paired_rounds": 3, "paired_repeats": 30,
                 "shapes": [s.name for s in shapes], "layouts": layouts}
     cases = [fake_case(s, lay, methods, rng) for s in shapes for lay in layouts]
     result = finish(stack_info(None, "selftest", settings), settings, cases)
@@ -736,7 +893,8 @@ def selftest(args):
     md = write_outputs(result, out)
     back = json.loads((out / "bench.json").read_text())
     assert len(back["cases"]) == len(shapes) * len(layouts)
-    assert md.count("\n| B") == 5 * len(back["cases"]), "one table row per case in each of 5 tables"
+    assert md.count("\n| B") == 6 * len(back["cases"]), "one table row per case in each of 6 tables"
+    assert back["paired_summary"]["openwam-default"]["measured"] == len(back["cases"])
     assert "matplotlib" not in sys.modules or (out / "bench.png").stat().st_size > 1000
     print(md)
     print(f"selftest OK: wrote {out}/bench.json, bench.md, bench.png")
@@ -764,7 +922,10 @@ def select(args):
 
 def finish(stack, settings, cases):
     summary = {m: summarize(cases, m) for m in settings["methods"] if m != BASE}
-    return {"stack": stack, "settings": settings, "summary": summary, "cases": cases}
+    result = {"stack": stack, "settings": settings, "summary": summary, "cases": cases}
+    if any("paired" in c for c in cases):
+        result["paired_summary"] = summarize_paired(cases)
+    return result
 
 
 def progress(i, n, case, t0):
@@ -789,12 +950,15 @@ def parse_args(argv=None):
     p.add_argument("--shapes", help="comma-separated substrings of shape names, e.g. 392,4096")
     p.add_argument("--layouts", help="comma-separated subset of bshd,bhsd")
     p.add_argument("--methods", help="comma-separated subset of " + ",".join(METHOD_NAMES) + " (cudnn always runs)")
+    p.add_argument("--paired-rounds", type=int, default=6,
+                   help="rounds of the paired stock / openwam-default / stock-again device timing (0: skip)")
+    p.add_argument("--paired-repeats", type=int, default=30, help="timed repeats per contender and round")
     p.add_argument("--selftest", action="store_true", help="write outputs from fake numbers; needs no GPU")
     args = p.parse_args(argv)
     if args.repeats is None:
         args.repeats = 25 if args.quick else 50
-    if args.repeats < 1 or args.warmup < 0:
-        p.error("--repeats must be >= 1 and --warmup >= 0")
+    if args.repeats < 1 or args.warmup < 0 or args.paired_rounds < 0 or args.paired_repeats < 1:
+        p.error("--repeats and --paired-repeats must be >= 1, --warmup and --paired-rounds >= 0")
     return args
 
 
@@ -806,8 +970,11 @@ def main(argv=None):
         raise SystemExit("no CUDA device; use --selftest to check the output path without a GPU")
     shapes, layouts, names = select(args)
     ow, ow_error = import_openwam()
-    methods = [m for m in build_methods(ow, ow_error) if m.name in names]
+    every = {m.name: m for m in build_methods(ow, ow_error)}
+    methods = [m for m in every.values() if m.name in names]
+    contenders = [every[BASE], default_method(ow, ow_error), every["cudnn-again"]]
     settings = {"repeats": args.repeats, "warmup": args.warmup, "methods": names, "dtype": "bfloat16",
+                "paired_rounds": args.paired_rounds, "paired_repeats": args.paired_repeats,
                 "shapes": [s.name for s in shapes], "layouts": layouts, "quick": args.quick}
     stack = stack_info(ow, ow_error, settings)
     print(f"{stack['gpu']} torch {stack['torch']} cuDNN {stack['cudnn']} openwam_sdpa "
@@ -815,7 +982,7 @@ def main(argv=None):
     t0, cases = time.time(), []
     jobs = [(s, lay) for s in shapes for lay in layouts]
     for i, (shape, layout) in enumerate(jobs, 1):
-        cases.append(run_case(shape, layout, methods, 1000 + SHAPES.index(shape), args))
+        cases.append(run_case(shape, layout, methods, contenders, 1000 + SHAPES.index(shape), args))
         progress(i, len(jobs), cases[-1], t0)
         write_json({**finish(stack, settings, cases), "partial": True}, Path(args.out))
     result = finish(stack, settings, cases)
@@ -824,6 +991,8 @@ def main(argv=None):
     print()
     print(md)
     print(summary_line("openwam auto", result["summary"].get("openwam-auto") or summarize(cases, "openwam-auto")))
+    if result.get("paired_summary"):
+        print(paired_summary_line(result["paired_summary"]))
     print(f"wrote {args.out}/bench.json, bench.md, bench.png in {result['stack']['elapsed_s']}s")
 
 

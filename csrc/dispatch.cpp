@@ -42,6 +42,12 @@ bool cuda_arch_supported(const at::Tensor& t) {
 #endif
 }
 
+bool any_input_empty(const SdpaInputs& in) {
+  // sym_numel: numel() throws on the symbolic sizes of a dynamic-shape trace.
+  return in.query.sym_numel() == 0 || in.key.sym_numel() == 0 ||
+         in.value.sym_numel() == 0;
+}
+
 }  // namespace
 
 bool cudnn_can_serve(const SdpaInputs& in, std::string* why_not) {
@@ -55,10 +61,7 @@ bool cudnn_can_serve(const SdpaInputs& in, std::string* why_not) {
     return fail(why_not, "dtype is not float16/bfloat16");
   }
   if (q.dim() != 3 && q.dim() != 4) return fail(why_not, "inputs are not 3-D or 4-D");
-  // sym_numel: numel() throws on the symbolic sizes of a dynamic-shape trace.
-  if (q.sym_numel() == 0 || k.sym_numel() == 0 || v.sym_numel() == 0) {
-    return fail(why_not, "an input is empty");
-  }
+  if (any_input_empty(in)) return fail(why_not, "an input is empty");
   const int64_t d = in.head_dim();
   if (d % 8 != 0 || d > 256) return fail(why_not, "head_dim is not a multiple of 8 up to 256");
   if (v.size(-1) != d) return fail(why_not, "value head_dim differs from query's");
@@ -81,6 +84,12 @@ bool cudnn_can_serve(const SdpaInputs& in, std::string* why_not) {
 
 Decision decide(const SdpaInputs& in, const Settings& settings) {
   Decision out;
+  if (any_input_empty(in)) {
+    out.empty_input = true;
+    out.pytorch_choice = "not asked (an input is empty)";
+    out.reason = "an input is empty: PyTorch's math backend";
+    return out;
+  }
   std::string why_not;
   const bool servable = cudnn_can_serve(in, &why_not);
   const long version = servable ? runtime_cudnn_version() : 0;

@@ -18,6 +18,11 @@ struct Decision {
   // we may not (OPENWAM_SDPA_CUDNN=0, a guard rule, or inputs our cuDNN call
   // cannot take), since stock cuDNN carries the defect.
   bool exclude_cudnn = false;
+  // An input is empty: PyTorch's math backend computes the (empty or zero)
+  // result. The fused CPU kernel of torch 2.11 dies of SIGFPE on zero heads
+  // (measured on the H200 machine, 2026-11-30; pytorch #174939), and no fused
+  // kernel has work to do.
+  bool empty_input = false;
   Plan plan = Plan::kNone;
   const GuardRule* rule = nullptr;  // the guard rule that fired, if any
   std::string reason;               // why, in words

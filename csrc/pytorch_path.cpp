@@ -1,6 +1,7 @@
 #include "pytorch_path.h"
 
 #include <ATen/Context.h>
+#include <ATen/ops/_scaled_dot_product_attention_math.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 
 #include <mutex>
@@ -64,6 +65,11 @@ at::Tensor call_selected(const SdpaInputs& in, const Decision& decision) {
 }  // namespace
 
 at::Tensor run_pytorch_sdpa(const SdpaInputs& in, const Decision& decision) {
+  if (decision.empty_input) {
+    return std::get<0>(at::_scaled_dot_product_attention_math(
+        in.query, in.key, in.value, in.attn_mask, in.dropout_p, in.is_causal,
+        /*dropout_mask=*/std::nullopt, in.scale, in.enable_gqa));
+  }
   if (decision.exclude_cudnn) {
     CudnnExcluded guard;
     return call_selected(in, decision);

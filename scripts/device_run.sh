@@ -227,7 +227,7 @@ if ((want_bench)); then
     section "$TESTS_LOG" "bench: python benchmarks/bench_sdpa.py --out $OUT/bench ${BENCH_ARGS:-}"
     say "bench: running (log in tests.log)"
     # shellcheck disable=SC2086
-    run_limited 300 "$TESTS_LOG" "$PY" benchmarks/bench_sdpa.py --out "$OUT/bench" ${BENCH_ARGS:-}
+    run_limited 480 "$TESTS_LOG" "$PY" benchmarks/bench_sdpa.py --out "$OUT/bench" ${BENCH_ARGS:-}
     rc=$?
     produced=$(ls "$OUT/bench" 2>/dev/null | tr '\n' ' ')
     case $rc in

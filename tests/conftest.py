@@ -153,10 +153,11 @@ def make_mask(kind, B, H, L, S, *, dtype=torch.float64, seed=7, keep=0.7,
 # --------------------------------------------------------------------------
 
 
-def reference_attention(q, k, v, attn_mask=None, is_causal=False, scale=None,
-                        enable_gqa=False):
-    """Attention in float64 from the given (differentiable) tensors, with a
-    safe softmax: a row that sees no key has output 0 and gradient 0.
+def reference_attention_lse(q, k, v, attn_mask=None, is_causal=False,
+                            scale=None, enable_gqa=False):
+    """(output, row logsumexp) of attention in float64 from the given
+    (differentiable) tensors, on their device, with a safe softmax: a row that
+    sees no key has output 0, gradient 0 and logsumexp -inf.
     is_causal is top-left aligned like F.sdpa's (row i sees keys 0..i)."""
     q, k, v = (t.double() for t in (q, k, v))
     E = q.shape[-1]
@@ -168,7 +169,7 @@ def reference_attention(q, k, v, attn_mask=None, is_causal=False, scale=None,
     logits = (q @ k.transpose(-1, -2)) * scale
     L, S = logits.shape[-2:]
     if is_causal:
-        causal = torch.ones(L, S, dtype=torch.bool).tril()
+        causal = torch.ones(L, S, dtype=torch.bool, device=logits.device).tril()
         logits = logits.masked_fill(~causal, float("-inf"))
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
@@ -181,7 +182,14 @@ def reference_attention(q, k, v, attn_mask=None, is_causal=False, scale=None,
     e = torch.exp(logits - row_max)
     denom = e.sum(-1, keepdim=True)
     p = e / torch.where(denom > 0, denom, torch.ones_like(denom))
-    return p @ v
+    lse = (row_max + torch.log(denom)).squeeze(-1).detach()
+    return p @ v, lse
+
+
+def reference_attention(q, k, v, attn_mask=None, is_causal=False, scale=None,
+                        enable_gqa=False):
+    """The output of reference_attention_lse (differentiable)."""
+    return reference_attention_lse(q, k, v, attn_mask, is_causal, scale, enable_gqa)[0]
 
 
 def grads(out, inputs, grad_out=None, seed=11, retain_graph=False):

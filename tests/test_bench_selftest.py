@@ -23,6 +23,14 @@ def test_bench_selftest_writes_every_output(tmp_path):
     assert auto["geomean_fwdbwd_dev_ratio"] is not None and auto["max_fwd_dev_ratio"] is not None
     md = (tmp_path / "bench.md").read_text()
     for title in ("**Forward + backward**", "**Backward only:**", "**Forward only**",
-                  "**Forward device time**", "**Forward + backward device time**"):
+                  "**Forward device time**", "**Forward + backward device time**",
+                  "**Paired device time**"):
         assert title in md
     assert "cudnn-again" in md
+    paired = result["paired_summary"]
+    assert paired["openwam-default"]["measured"] == paired["cudnn-again"]["measured"] == 18
+    assert paired["fwd_bit_identical"] == "18/18"
+    # The paired cells are medians of per-round ratios: recompute one from the raw times.
+    case = result["cases"][0]["paired"]
+    ratios = sorted(a / b for a, b in zip(case["ms"]["openwam-default"]["fwd"], case["ms"]["cudnn"]["fwd"]))
+    assert abs(case["ratios"]["openwam-default"]["fwd"]["median"] - ratios[len(ratios) // 2]) < 1e-12

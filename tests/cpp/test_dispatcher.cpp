@@ -289,3 +289,35 @@ TEST_CASE("decide() on CPU inputs never picks cuDNN", "[dispatcher]") {
   aligned.value = at::randn({2, 3, 128, 16}, kF64).requires_grad_(true);
   CHECK(openwam::decide(aligned, always).plan == openwam::Plan::kNone);
 }
+
+TEST_CASE("decide() sends empty inputs to PyTorch's math backend", "[dispatcher]") {
+  // torch 2.11's fused CPU kernel dies of SIGFPE on zero heads (pytorch
+  // #174939); an empty call has nothing for a fused kernel to do.
+  const std::vector<std::vector<int64_t>> q_kv_shapes[] = {
+      {{0, 2, 3, 8}, {0, 2, 5, 8}},  // empty batch
+      {{1, 0, 3, 8}, {1, 0, 5, 8}},  // zero heads
+      {{1, 2, 0, 8}, {1, 2, 5, 8}},  // zero-length query
+      {{1, 2, 3, 8}, {1, 2, 0, 8}},  // zero-length keys
+  };
+  at::AutoGradMode grad_on(true);
+  for (const auto& shapes : q_kv_shapes) {
+    CAPTURE(shapes[0], shapes[1]);
+    openwam::SdpaInputs in;
+    in.query = at::randn(shapes[0], kF64).requires_grad_(true);
+    in.key = at::randn(shapes[1], kF64).requires_grad_(true);
+    in.value = at::randn(shapes[1], kF64).requires_grad_(true);
+    openwam::Settings always;
+    always.pad = openwam::PadMode::kAlways;
+    const openwam::Decision d = openwam::decide(in, always);
+    CHECK(d.empty_input);
+    CHECK_FALSE(d.use_cudnn);
+    CHECK(d.plan == openwam::Plan::kNone);
+    CHECK_THAT(d.reason, Contains("empty"));
+
+    at::Tensor out = sdpa_op().call(in.query, in.key, in.value, std::nullopt, 0.0,
+                                    false, std::nullopt, false);
+    std::vector<int64_t> want = shapes[0];
+    CHECK(out.sizes() == at::IntArrayRef(want));
+    CHECK(out.eq(0).all().item<bool>());  // zero-length keys: zero output
+  }
+}

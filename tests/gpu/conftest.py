@@ -35,6 +35,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+# tests/conftest.py, on sys.path through pytest's rootdir-relative import.
+from conftest import reference_attention_lse
+
 try:  # torch >= 2.3
     from torch.nn.attention import SDPBackend, sdpa_kernel
 except ImportError:  # pragma: no cover - only on very old torch
@@ -236,36 +239,11 @@ class Attn(NamedTuple):
 
 def reference(q, k, v, go, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
     """Attention and its gradients in float64 from the (half-precision) input
-    values, with an explicit safe softmax: a query row that sees no key gets
-    zero output and contributes zero gradient. Also returns the row
-    logsumexp (-inf for such rows) as the fifth element."""
+    values (tests/conftest.py's reference_attention_lse, differentiated by
+    autograd), and the row logsumexp (-inf for a row that sees no key)."""
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    D = q.shape[-1]
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    kk, vv = k64, v64
-    if enable_gqa and k.shape[-3] != q.shape[-3]:
-        rep = q.shape[-3] // k.shape[-3]
-        kk = k64.repeat_interleave(rep, dim=-3)
-        vv = v64.repeat_interleave(rep, dim=-3)
-    logits = (q64 @ kk.transpose(-1, -2)) * scale
-    s_q, s_kv = logits.shape[-2:]
-    if is_causal:
-        # F.sdpa's is_causal is top-left aligned: row i sees keys 0..i.
-        causal = torch.ones(s_q, s_kv, dtype=torch.bool, device=q.device).tril()
-        logits = logits.masked_fill(~causal, float("-inf"))
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            logits = logits.masked_fill(~attn_mask, float("-inf"))
-        else:
-            logits = logits + attn_mask.double()
-    row_max = logits.amax(-1, keepdim=True).detach()
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    e = torch.exp(logits - row_max)
-    denom = e.sum(-1, keepdim=True)
-    p = e / torch.where(denom > 0, denom, torch.ones_like(denom))
-    out = p @ vv
+    out, lse = reference_attention_lse(q64, k64, v64, attn_mask, is_causal, scale, enable_gqa)
     dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), go.double())
-    lse = (row_max + torch.log(denom)).squeeze(-1).detach()
     return Attn(out.detach(), dq, dk, dv), lse
 
 
