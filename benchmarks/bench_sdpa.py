@@ -583,7 +583,7 @@ PAIRED_NAMES = ("openwam-default", "cudnn-again")  # the paired timing's contend
 
 
 def paired_ratio(case, name, key):
-    """A case's paired median ratio of contender `name` ("fwd" or "fwdbwd"), or None."""
+    """A case's paired median ratio of contender `name` ("fwd", "fwdbwd" or "fwd_host_us"), or None."""
     r = ((case.get("paired") or {}).get("ratios") or {}).get(name)
     return r[key]["median"] if r else None
 
