@@ -133,19 +133,20 @@ class Method:
 def env_vars(**values):
     """Set (None: unset) environment variables for the duration of the block, then restore them."""
     old = {k: os.environ.get(k) for k in values}
+    set_env(values)
+    try:
+        yield
+    finally:
+        set_env(old)
+
+
+def set_env(values):
+    """os.environ[k] = v for each item; v None removes k."""
     for k, v in values.items():
         if v is None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def import_openwam():
@@ -205,11 +206,12 @@ def build_methods(ow, ow_error):
     ]
 
 
-def default_method(ow, ow_error):
-    """openwam_sdpa as shipped: no OPENWAM_SDPA_* variable set (the paired timing's contender)."""
-    m = build_methods(ow, ow_error)[METHOD_NAMES.index("openwam-auto")]
+def default_method(openwam_method):
+    """openwam_sdpa as shipped: an openwam Method's call with no OPENWAM_SDPA_* variable set
+    (the paired timing's contender)."""
     unset = {k: None for k in ("OPENWAM_SDPA_PAD", "OPENWAM_SDPA_CUDNN", "OPENWAM_SDPA_CHECK_FINITE")}
-    return Method("openwam-default", lambda: env_vars(**unset), m.call, explain=m.explain)
+    return Method("openwam-default", lambda: env_vars(**unset), openwam_method.call,
+                  explain=openwam_method.explain)
 
 
 METHOD_NAMES = ("cudnn", "efficient", "flash", "pad-fwd", "openwam-auto", "openwam-always", "openwam-never",
@@ -972,7 +974,7 @@ def main(argv=None):
     ow, ow_error = import_openwam()
     every = {m.name: m for m in build_methods(ow, ow_error)}
     methods = [m for m in every.values() if m.name in names]
-    contenders = [every[BASE], default_method(ow, ow_error), every["cudnn-again"]]
+    contenders = [every[BASE], default_method(every["openwam-auto"]), every["cudnn-again"]]
     settings = {"repeats": args.repeats, "warmup": args.warmup, "methods": names, "dtype": "bfloat16",
                 "paired_rounds": args.paired_rounds, "paired_repeats": args.paired_repeats,
                 "shapes": [s.name for s in shapes], "layouts": layouts, "quick": args.quick}
