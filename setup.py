@@ -179,16 +179,8 @@ def _private_stream_symbols(library):
 class BuildAndCheckLinkage(BuildExtension):
     """torch's BuildExtension, then a check of what the linker put in _C.so.
 
-    A compiler that links its own (part of) libstdc++ into the .so gives it a
-    private copy of the stream code next to the process's libstdc++: on the
-    H200 machine (torch 2.11.0+cu130, 2026-11-30) the default CXX,
-    /opt/gcc/bin/g++, did, and the first TORCH_CHECK message with a number in
-    it segfaulted (tests/test_errors.py; a backtrace from
-    notes/segv_backtrace.c ends in std::ostream::_M_insert<long> inside
-    _C.so). Built by the system /usr/bin/g++, _C.so defines no such symbol
-    and the same tests pass. On a CPU machine, linking with -static-libstdc++
-    reproduces it: the numbers vanish from the error messages (38 of
-    tests/test_errors.py fail). Such a build is refused here, not shipped.
+    A compiler that links its own copy of libstdc++'s stream code into the .so
+    makes it crash formatting its first error message; such a build is refused.
     """
 
     def build_extensions(self):

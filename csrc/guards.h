@@ -1,63 +1,76 @@
-// The guard table: cuDNN versions and shapes with known SDPA defects, and what
-// a differentiated cuDNN call must do about each. Every rule cites its source.
+// The guard table: cuDNN versions and call shapes with known SDPA backward
+// defects, and what a differentiated call on the cuDNN path does about each.
+// A rule is one row: its versions, its condition, its fix and its source.
+// Adding a rule means adding a row (guards.cpp) and its test
+// (tests/cpp/test_guards.cpp); nothing else keeps count of the rows.
 #pragma once
 
-#include <string>
+#include <cstdint>
 #include <vector>
 
-#include "sdpa_inputs.h"
-#include "settings.h"
+#include "plan.h"
+#include "sdpa_call.h"
 
 namespace openwam {
 
-// How a differentiated call on the cuDNN path avoids the key-tail defect.
-enum class Plan {
-  kNone,         // stock forward and backward
-  kRepairDq,     // stock forward and backward, then recompute in fp32 the dQ
-                 // rows whose logsumexp is below the overflow threshold
-  kPadBackward,  // stock forward; the backward runs on K/V zero-padded to a
-                 // multiple of 128 with the padded keys hidden by -inf
-  kPadForward,   // forward and backward both on padded K/V (dropout: the
-                 // backward must replay the forward's dropout pattern)
-  kPadInputs,    // not cuDNN: PyTorch's kernel runs on padded inputs
-                 // (OPENWAM_SDPA_PAD=always)
+// cuDNN encodes 9.x.y as 90000 + 100 * x + y.
+constexpr long cudnn_version(int major, int minor, int patch) {
+  return major * 10000L + minor * 100L + patch;
+}
+
+// The newest cuDNN the table knows (torch 2.15 ships 9.26). A newer runtime
+// gets no rule: the op runs PyTorch's stock path, and the doctor reports the
+// stack as unverified.
+constexpr long kNewestKnownCudnn = cudnn_version(9, 26, 99);
+
+// [first, end) of runtime cuDNN versions; {0, 0} is empty.
+struct VersionRange {
+  long first = 0;
+  long end = 0;
+  bool contains(long version) const { return version >= first && version < end; }
+  bool empty() const { return first >= end; }
 };
 
-const char* to_string(Plan plan);
+// What a rule does to a call it hits.
+enum class Fix {
+  kAvoidCudnn,  // no fix on cuDNN: the call runs on PyTorch's next backend
+  kKeyTail,     // the key-tail dQ defect: repair the dQ rows (pad with dropout)
+  kPadQuery,    // the single-query-row dK/dV defect: pad the query to 2 rows
+};
 
 struct GuardRule {
   const char* name;
-  const char* versions;  // human-readable range of the runtime cuDNN
+  VersionRange versions;  // runtime cuDNN versions the rule covers
+  VersionRange measured;  // the part this project measured (empty: none)
+  // Does the defect hit this differentiated call on this cuDNN version?
+  bool (*hits)(const CallShape& shape, long cudnn_version);
+  Fix fix;
+  const char* versions_text;  // the range in words
   const char* defect;
   const char* action;
   const char* source;
 };
 
-// Every rule, for `python -m openwam_sdpa doctor` and the README.
+// Every rule, in the order they are checked.
 const std::vector<GuardRule>& guard_rules();
 
-// Key-tail dQ defect: does the runtime cuDNN (e.g. 91900) give NaN in dQ for
-// this key length and head_dim? Measured where the table says so, otherwise
-// conservative (every s_kv % 128 != 0 below 9.26.0).
+// The rules a differentiated call on `cudnn_version` hits, folded into one
+// plan under OPENWAM_SDPA_PAD=auto: `avoid` is set to the first kAvoidCudnn
+// rule that hits (then the plan does not matter), `first_hit` to the first rule
+// that hit at all (both nullptr when none).
+struct GuardVerdict {
+  Plan plan;
+  const GuardRule* avoid = nullptr;
+  const GuardRule* first_hit = nullptr;
+};
+GuardVerdict check_guards(const CallShape& shape, long cudnn_version);
+
+// The key-tail dQ defect alone (the doctor's and the README's question): does
+// the runtime cuDNN give NaN in dQ for this key length and head_dim?
 bool key_tail_defect(long cudnn_version, int64_t s_kv, int64_t head_dim,
                      bool is_causal);
 
-// A rule that keeps a differentiated call off cuDNN altogether (defects that
-// padding cannot fix), or nullptr.
-const GuardRule* rule_avoiding_cudnn(const SdpaInputs& in, long cudnn_version);
-
-// The plan for a differentiated call that runs on cuDNN; `rule` is set to the
-// rule that fired, if any.
-Plan plan_for_cudnn(const SdpaInputs& in, const Settings& settings,
-                    long cudnn_version, const GuardRule** rule);
-
-// Whether the fp32 dQ-row repair kernel serves these inputs.
-bool repair_supported(const SdpaInputs& in);
-
 // One warning per process per rule.
 void warn_once(const GuardRule& rule);
-
-// The runtime cuDNN version (e.g. 91900), 0 where none is loaded.
-long runtime_cudnn_version();
 
 }  // namespace openwam

@@ -68,19 +68,6 @@ at::Tensor pad_dim(const at::Tensor& t, int64_t dim, int64_t new_length,
   return buffer.expand(out_sizes);
 }
 
-at::Tensor additive_bias(const at::Tensor& mask, at::ScalarType dtype) {
-  if (mask.scalar_type() == at::kBool) {
-    // One kernel, broadcast shape kept. -inf, not stock's -65504: a fully
-    // masked row must attend to nothing (cuDNN 9.19 then gives out = 0,
-    // lse = -inf and zero gradients for that row).
-    // The 0 lives on the mask's device: a CPU scalar would be copied to the
-    // GPU, which CUDA graph capture forbids.
-    return at::where(mask, at::zeros({}, mask.options().dtype(dtype)),
-                     -std::numeric_limits<double>::infinity());
-  }
-  return mask.scalar_type() == dtype ? mask : mask.to(dtype);
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pad_keys(
     const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, int64_t multiple) {
@@ -136,24 +123,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pad_keys(
   } else {
     // A new key-padding mask that broadcasts over everything but the keys.
     mask = at::arange(target, key.options().dtype(at::kLong)).lt(s_kv).view({1, target});
-  }
-  return {k, v, mask};
-}
-
-PaddedKeys pad_keys_for_call(const at::Tensor& query, const at::Tensor& key,
-                             const at::Tensor& value,
-                             const std::optional<at::Tensor>& attn_mask,
-                             bool is_causal) {
-  auto [k, v, mask] = pad_keys(key, value, attn_mask, kCudnnKeyTile);
-  if (is_causal) {
-    TORCH_INTERNAL_ASSERT(!attn_mask.has_value());
-    const int64_t s_q = query.size(-2);
-    const int64_t s_padded = k.size(-2);
-    const auto index = query.options().dtype(at::kLong);
-    // Key j is visible from query row i when j <= i (and j is a real key).
-    at::Tensor causal = at::arange(s_padded, index).view({1, s_padded}).le(
-        at::arange(s_q, index).view({s_q, 1}));
-    mask = causal.logical_and(mask);
   }
   return {k, v, mask};
 }

@@ -14,9 +14,6 @@
 
 namespace openwam {
 
-// The cuDNN backward walks keys in tiles of this many rows.
-constexpr int64_t kCudnnKeyTile = 128;
-
 // Smallest multiple of `multiple` that is >= `length`.
 int64_t padded_length(int64_t length, int64_t multiple);
 
@@ -28,12 +25,6 @@ int64_t padded_length(int64_t length, int64_t multiple);
 at::Tensor pad_dim(const at::Tensor& t, int64_t dim, int64_t new_length,
                    const c10::Scalar& fill);
 
-// Additive attention bias in `dtype` for a mask as F.sdpa takes it: a bool
-// mask becomes 0 where True and -inf where False (stock F.sdpa's cuDNN path
-// uses -65504 instead, which lets fully masked rows attend to every key); an
-// additive mask is cast to `dtype`. Broadcast shapes are kept, not expanded.
-at::Tensor additive_bias(const at::Tensor& mask, at::ScalarType dtype);
-
 // The shim. key/value: [..., S, E]; attn_mask broadcastable to
 // [..., L, S] (bool or additive) or absent. Returns (key, value, mask) with S
 // grown to padded_length(S, multiple): keys and values zero in the tail, the
@@ -43,24 +34,5 @@ at::Tensor additive_bias(const at::Tensor& mask, at::ScalarType dtype);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pad_keys(
     const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, int64_t multiple);
-
-}  // namespace openwam
-
-namespace openwam {
-
-// Keys/values/mask of an attention call padded for it: like pad_keys, but a
-// causal call gets its causal mask folded into the returned mask (top-left
-// aligned, as F.sdpa's is_causal), since a mask and is_causal cannot be
-// combined. `mask` broadcasts to [..., L, S_padded]; it is bool unless
-// attn_mask was additive.
-struct PaddedKeys {
-  at::Tensor key;
-  at::Tensor value;
-  at::Tensor mask;
-};
-PaddedKeys pad_keys_for_call(const at::Tensor& query, const at::Tensor& key,
-                             const at::Tensor& value,
-                             const std::optional<at::Tensor>& attn_mask,
-                             bool is_causal);
 
 }  // namespace openwam

@@ -6,34 +6,26 @@
 
 #include <mutex>
 
-#include "padding.h"
-
 namespace openwam {
 namespace {
 
 // Keeps PyTorch's selector off cuDNN for one call. PyTorch's backend switches
 // are process-global (torch.nn.attention.sdpa_kernel flips the same flags), so
-// the flip is serialised by a mutex and undone on exit; other threads may see
-// cuDNN disabled for the duration of one launch, which costs them speed,
-// never correctness. If cuDNN was the only enabled backend, math stands in.
-class CudnnExcluded {
+// the flip is serialised by a mutex and undone on exit; another thread may see
+// cuDNN switched off for the duration of one call, which costs it speed, never
+// correctness. Where cuDNN was the only backend allowed, PyTorch then raises
+// its own "No available kernel" error, as it would for any backend that
+// cannot serve.
+class CudnnSwitchedOff {
  public:
-  CudnnExcluded() : lock_(mutex()) {
+  CudnnSwitchedOff() : lock_(mutex()) {
     auto& ctx = at::globalContext();
-    cudnn_ = ctx.userEnabledCuDNNSDP();
-    math_ = ctx.userEnabledMathSDP();
+    was_enabled_ = ctx.userEnabledCuDNNSDP();
     ctx.setSDPUseCuDNN(false);
-    if (!ctx.userEnabledFlashSDP() && !ctx.userEnabledMemEfficientSDP()) {
-      ctx.setSDPUseMath(true);
-    }
   }
-  ~CudnnExcluded() {
-    auto& ctx = at::globalContext();
-    ctx.setSDPUseMath(math_);
-    ctx.setSDPUseCuDNN(cudnn_);
-  }
-  CudnnExcluded(const CudnnExcluded&) = delete;
-  CudnnExcluded& operator=(const CudnnExcluded&) = delete;
+  ~CudnnSwitchedOff() { at::globalContext().setSDPUseCuDNN(was_enabled_); }
+  CudnnSwitchedOff(const CudnnSwitchedOff&) = delete;
+  CudnnSwitchedOff& operator=(const CudnnSwitchedOff&) = delete;
 
  private:
   static std::mutex& mutex() {
@@ -41,40 +33,33 @@ class CudnnExcluded {
     return m;
   }
   std::lock_guard<std::mutex> lock_;
-  bool cudnn_ = false;
-  bool math_ = false;
+  bool was_enabled_ = false;
 };
 
-at::Tensor call_sdpa(const SdpaInputs& in, const at::Tensor& key,
-                     const at::Tensor& value,
-                     const std::optional<at::Tensor>& mask, bool is_causal) {
-  return at::scaled_dot_product_attention(in.query, key, value, mask,
-                                          in.dropout_p, is_causal, in.scale,
-                                          in.enable_gqa);
-}
-
-at::Tensor call_selected(const SdpaInputs& in, const Decision& decision) {
-  if (decision.plan == Plan::kPadInputs) {
-    PaddedKeys p = pad_keys_for_call(in.query, in.key, in.value, in.attn_mask,
-                                     in.is_causal);
-    return call_sdpa(in, p.key, p.value, p.mask, /*is_causal=*/false);
-  }
-  return call_sdpa(in, in.key, in.value, in.attn_mask, in.is_causal);
+at::Tensor call_pytorch(const SdpaCall& c) {
+  return at::scaled_dot_product_attention(c.query, c.key, c.value, c.attn_mask,
+                                          c.dropout_p, c.is_causal, c.scale,
+                                          c.enable_gqa);
 }
 
 }  // namespace
 
-at::Tensor run_pytorch_sdpa(const SdpaInputs& in, const Decision& decision) {
-  if (decision.empty_input) {
-    return std::get<0>(at::_scaled_dot_product_attention_math(
-        in.query, in.key, in.value, in.attn_mask, in.dropout_p, in.is_causal,
-        /*dropout_mask=*/std::nullopt, in.scale, in.enable_gqa));
+at::Tensor run_pytorch_path(const SdpaCall& call, const Decision& decision) {
+  switch (decision.route) {
+    case Route::kMathForEmpty:
+      return std::get<0>(at::_scaled_dot_product_attention_math(
+          call.query, call.key, call.value, call.attn_mask, call.dropout_p,
+          call.is_causal, /*dropout_mask=*/std::nullopt, call.scale, call.enable_gqa));
+    case Route::kPyTorchWithoutCudnn: {
+      CudnnSwitchedOff no_cudnn;
+      return call_pytorch(call);
+    }
+    case Route::kPyTorch:
+      return call_pytorch(call);
+    case Route::kCudnn:
+      break;
   }
-  if (decision.exclude_cudnn) {
-    CudnnExcluded guard;
-    return call_selected(in, decision);
-  }
-  return call_selected(in, decision);
+  TORCH_INTERNAL_ASSERT(false, "run_pytorch_path: the decision routes to cuDNN");
 }
 
 }  // namespace openwam

@@ -1,6 +1,10 @@
 // The op schemas of the `openwam` library. Kernels are registered next to
-// their implementations: autograd.cpp (sdpa), padding.cpp (pad_keys),
-// meta.cpp and cuda/repair_dq.cu (_repair_dq_).
+// their implementations:
+//   sdpa                  sdpa_op.cpp (CompositeImplicitAutograd, Autocast)
+//   _cudnn_sdpa           cudnn_path.cpp (Autograd), cudnn_path_kernels.cpp
+//   _cudnn_sdpa_backward  (CUDA, CPU reference, Meta)
+//   _repair_dq_           repair_dq.cpp
+//   pad_keys              padding.cpp
 #include <torch/library.h>
 
 TORCH_LIBRARY(openwam, m) {
@@ -9,14 +13,30 @@ TORCH_LIBRARY(openwam, m) {
       "sdpa(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
       "float dropout_p=0.0, bool is_causal=False, float? scale=None, "
       "bool enable_gqa=False) -> Tensor");
+  // The guarded cuDNN path, as two leaf ops so that torch.compile keeps them
+  // (and the fix inside the backward) whole. 4-D [B, H, S, E] inputs, key and
+  // value may have fewer heads; attn_bias additive in query's dtype; `plan`
+  // is a Plan (plan.h). Outputs as ATen's cuDNN attention gives them;
+  // logsumexp is empty unless compute_log_sumexp.
+  m.def(
+      "_cudnn_sdpa(Tensor query, Tensor key, Tensor value, Tensor? attn_bias, "
+      "float dropout_p, bool is_causal, float? scale, bool compute_log_sumexp, "
+      "int plan) -> (Tensor out, Tensor logsumexp, Tensor philox_seed, "
+      "Tensor philox_offset)");
+  m.def(
+      "_cudnn_sdpa_backward(Tensor grad_out, Tensor query, Tensor key, "
+      "Tensor value, Tensor? attn_bias, Tensor out, Tensor logsumexp, "
+      "Tensor philox_seed, Tensor philox_offset, float dropout_p, "
+      "bool is_causal, float? scale, int plan) -> (Tensor grad_query, "
+      "Tensor grad_key, Tensor grad_value)");
   // The padding shim on its own: zero keys/values up to a multiple of
   // `multiple`, hidden by the returned mask (bool stays bool, additive stays
   // additive, none becomes a [1, S_padded] bool key-padding mask).
   m.def(
       "pad_keys(Tensor key, Tensor value, Tensor? attn_mask=None, "
       "int multiple=128) -> (Tensor, Tensor, Tensor)");
-  // Internal: recompute in fp32 the dQ rows whose logsumexp lies below the
-  // overflow threshold of the cuDNN key-tail defect (see repair_dq.h).
+  // The dQ-row repair on its own (repair_dq.h): recomputes in fp32 the rows
+  // whose logsumexp lies below the overflow threshold of the key-tail defect.
   m.def(
       "_repair_dq_(Tensor(a!) grad_query, Tensor grad_out, Tensor query, "
       "Tensor key, Tensor value, Tensor out, Tensor logsumexp, "

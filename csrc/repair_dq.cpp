@@ -1,42 +1,113 @@
+// openwam::_repair_dq_, the repair as an op of its own (tests, opcheck), and
+// the repair's telemetry counter (repair_counter.h). The cuDNN path's backward
+// calls the repair directly (cudnn_path_kernels.cpp).
 #include "repair_dq.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <mutex>
+#include <vector>
+
+#include "reference_attention.h"
+#include "repair_counter.h"
+
+#ifdef OPENWAM_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#endif
+
 namespace openwam {
-
-void repair_dq_(at::Tensor& grad_query, const at::Tensor& grad_out,
-                const at::Tensor& query, const at::Tensor& key,
-                const at::Tensor& value, const at::Tensor& out,
-                const at::Tensor& logsumexp, const at::Tensor& bias,
-                bool is_causal, double scale) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("openwam::_repair_dq_", "")
-          .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&,
-                      const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                      const at::Tensor&, const std::optional<at::Tensor>&,
-                      bool, double)>();
-  std::optional<at::Tensor> bias_opt;
-  if (bias.defined()) {
-    bias_opt = bias;
-  }
-  op.call(grad_query, grad_out, query, key, value, out, logsumexp, bias_opt,
-          is_causal, scale);
-}
-
 namespace {
 
-// Shape-only kernel for FakeTensor / torch.compile tracing: the op mutates
-// grad_query in place and returns nothing.
-void repair_dq_meta(at::Tensor&, const at::Tensor&, const at::Tensor&,
+void repair_dq_cpu(at::Tensor& grad_query, const at::Tensor& grad_out,
+                   const at::Tensor& query, const at::Tensor& key,
+                   const at::Tensor& value, const at::Tensor& out,
+                   const at::Tensor& logsumexp, const std::optional<at::Tensor>& bias,
+                   bool is_causal, double scale) {
+  reference_repair_dq(grad_query, grad_out, query, key, value, out, logsumexp,
+                      bias.value_or(at::Tensor()), is_causal, scale);
+}
+
+void repair_dq_meta(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                     const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                    const at::Tensor&, const std::optional<at::Tensor>&, bool,
-                    double) {}
+                    const std::optional<at::Tensor>&, bool, double) {}
+
+#ifdef OPENWAM_WITH_CUDA
+void repair_dq_cuda(at::Tensor& grad_query, const at::Tensor& grad_out,
+                    const at::Tensor& query, const at::Tensor& key,
+                    const at::Tensor& value, const at::Tensor& out,
+                    const at::Tensor& logsumexp, const std::optional<at::Tensor>& bias,
+                    bool is_causal, double scale) {
+  repair_dq_rows(grad_query, grad_out, query, key, value, out, logsumexp,
+                 bias.value_or(at::Tensor()), is_causal, scale, /*repaired_rows=*/nullptr);
+}
+
+// One int64 per device, allocated outside any CUDA graph capture and kept for
+// the life of the process (a captured kernel holds its address).
+struct Counters {
+  std::mutex mutex;
+  std::vector<at::Tensor> by_device;
+};
+
+Counters& counters() {
+  static Counters* c = new Counters();  // never destroyed: kernels may hold the address
+  return *c;
+}
+#endif
 
 }  // namespace
+
+int64_t* repaired_rows_counter(const c10::Device& device) {
+#ifdef OPENWAM_WITH_CUDA
+  TORCH_INTERNAL_ASSERT(device.is_cuda());
+  Counters& c = counters();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  const auto index = static_cast<size_t>(device.index());
+  if (c.by_device.size() <= index) {
+    c.by_device.resize(index + 1);
+  }
+  at::Tensor& counter = c.by_device[index];
+  if (!counter.defined()) {
+    if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+      return nullptr;
+    }
+    counter = at::zeros({}, at::TensorOptions().dtype(at::kLong).device(device));
+  }
+  return counter.data_ptr<int64_t>();
+#else
+  (void)device;
+  return nullptr;
+#endif
+}
+
+int64_t read_repaired_rows(bool reset) {
+  int64_t total = 0;
+#ifdef OPENWAM_WITH_CUDA
+  Counters& c = counters();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  for (at::Tensor& counter : c.by_device) {
+    if (counter.defined()) {
+      total += counter.item<int64_t>();
+      if (reset) counter.zero_();
+    }
+  }
+#else
+  (void)reset;
+#endif
+  return total;
+}
+
 }  // namespace openwam
 
+TORCH_LIBRARY_IMPL(openwam, CPU, m) {
+  m.impl("_repair_dq_", &openwam::repair_dq_cpu);
+}
 TORCH_LIBRARY_IMPL(openwam, Meta, m) {
   m.impl("_repair_dq_", &openwam::repair_dq_meta);
 }
+#ifdef OPENWAM_WITH_CUDA
+TORCH_LIBRARY_IMPL(openwam, CUDA, m) {
+  m.impl("_repair_dq_", &openwam::repair_dq_cuda);
+}
+#endif

@@ -2,40 +2,64 @@
 
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <cstdlib>
-#include <string>
+#include <cstring>
 
 namespace openwam {
 namespace {
 
 // Unset and empty both mean "not set".
-std::string env_value(const char* name) {
+const char* env_value(const char* name) {
   const char* raw = std::getenv(name);
-  return raw == nullptr ? std::string() : std::string(raw);
+  return raw == nullptr ? "" : raw;
+}
+
+bool is(const char* value, const char* expected) {
+  return std::strcmp(value, expected) == 0;
+}
+
+// The cache: the three settings packed into one word, so that a call reads
+// them with one relaxed atomic load. kUnset: not parsed yet (or the last
+// parse raised).
+constexpr int kUnset = -1;
+std::atomic<int> g_packed{kUnset};
+
+int pack(const Settings& s) {
+  return static_cast<int>(s.cudnn) | static_cast<int>(s.pad) << 2 |
+         static_cast<int>(s.check_finite) << 4;
+}
+
+Settings unpack(int bits) {
+  Settings s;
+  s.cudnn = static_cast<CudnnPreference>(bits & 3);
+  s.pad = static_cast<PadMode>((bits >> 2) & 3);
+  s.check_finite = ((bits >> 4) & 1) != 0;
+  return s;
 }
 
 }  // namespace
 
-Settings current_settings() {
+Settings settings_from_environment() {
   Settings s;
 
-  const std::string cudnn = env_value("OPENWAM_SDPA_CUDNN");
-  if (cudnn == "1") {
+  const char* cudnn = env_value("OPENWAM_SDPA_CUDNN");
+  if (is(cudnn, "1")) {
     s.cudnn = CudnnPreference::kPrefer;
-  } else if (cudnn == "0") {
+  } else if (is(cudnn, "0")) {
     s.cudnn = CudnnPreference::kNever;
   } else {
-    TORCH_CHECK(cudnn.empty(),
+    TORCH_CHECK(is(cudnn, ""),
                 "openwam::sdpa: environment variable OPENWAM_SDPA_CUDNN must "
                 "be unset, '1' or '0', got '", cudnn, "'");
   }
 
-  const std::string pad = env_value("OPENWAM_SDPA_PAD");
-  if (pad.empty() || pad == "auto") {
+  const char* pad = env_value("OPENWAM_SDPA_PAD");
+  if (is(pad, "") || is(pad, "auto")) {
     s.pad = PadMode::kAuto;
-  } else if (pad == "always") {
+  } else if (is(pad, "always")) {
     s.pad = PadMode::kAlways;
-  } else if (pad == "never") {
+  } else if (is(pad, "never")) {
     s.pad = PadMode::kNever;
   } else {
     TORCH_CHECK(false,
@@ -43,11 +67,23 @@ Settings current_settings() {
                 "'auto', 'always' or 'never', got '", pad, "'");
   }
 
-  const std::string check = env_value("OPENWAM_SDPA_CHECK_FINITE");
-  TORCH_CHECK(check.empty() || check == "0" || check == "1",
+  const char* check = env_value("OPENWAM_SDPA_CHECK_FINITE");
+  TORCH_CHECK(is(check, "") || is(check, "0") || is(check, "1"),
               "openwam::sdpa: environment variable OPENWAM_SDPA_CHECK_FINITE "
               "must be unset, '0' or '1', got '", check, "'");
-  s.check_finite = check == "1";
+  s.check_finite = is(check, "1");
+  return s;
+}
+
+Settings current_settings() {
+  const int bits = g_packed.load(std::memory_order_relaxed);
+  return bits == kUnset ? reload_settings() : unpack(bits);
+}
+
+Settings reload_settings() {
+  g_packed.store(kUnset, std::memory_order_relaxed);
+  const Settings s = settings_from_environment();  // raises: the cache stays unset
+  g_packed.store(pack(s), std::memory_order_relaxed);
   return s;
 }
 

@@ -1,8 +1,9 @@
-// User settings, read from the environment on every call so that a training
-// script (or a test) can change them between calls. Invalid values raise.
+// User settings, read from the environment once and cached: every call reads
+// the cache, so the hot path never touches the environment (a getenv and a
+// string per variable per call used to cost host time on every attention
+// call). reload_settings() re-reads the environment
+// (openwam_sdpa.reload_settings() in Python). Invalid values raise.
 #pragma once
-
-#include <string>
 
 namespace openwam {
 
@@ -12,8 +13,9 @@ enum class CudnnPreference { kFollowPyTorch, kPrefer, kNever };
 
 // OPENWAM_SDPA_PAD: auto (default) = the guard table decides which calls need
 // a fix and the cheapest exact fix is used; always = pad K/V to a multiple of
-// 128 on every differentiated call (inside the backward on cuDNN, on the
-// inputs elsewhere); never = no fix at all (stock behaviour, for measuring).
+// 128 on every differentiated cuDNN call (inside the backward; with dropout,
+// forward and backward); never = no fix at all (stock behaviour, for
+// measuring). Rules that keep a call off cuDNN (a crash) hold in every mode.
 enum class PadMode { kAuto, kAlways, kNever };
 
 struct Settings {
@@ -24,7 +26,16 @@ struct Settings {
   bool check_finite = false;
 };
 
+// Parses the environment now (raises on an invalid value).
+Settings settings_from_environment();
+
+// The cached settings; the first call parses the environment. A call that
+// finds an invalid value raises, and so does every later one until the value
+// is fixed and reload_settings() succeeds.
 Settings current_settings();
+
+// Re-reads the environment into the cache; returns the new settings.
+Settings reload_settings();
 
 const char* to_string(CudnnPreference p);
 const char* to_string(PadMode p);

@@ -14,6 +14,9 @@
 #   gpu     python -m pytest -q tests/gpu
 #   tests   = ctest cpu gpu
 #   doctor  python -m openwam_sdpa doctor (report to $OUT/doctor.txt)
+#   sweep   python scripts/sweep_single_query_row.py --out $OUT/sweep
+#   pytorch python scripts/pytorch_sdpa_tests.py --device cuda --out $OUT/pt
+#           (PyTorch's own SDPA tests, plain and patched; carry .external)
 #   bench   python benchmarks/bench_sdpa.py --out $OUT/bench $BENCH_ARGS
 # A test part on a machine without the built extension builds it first.
 #
@@ -72,7 +75,7 @@ section() { local f=$1; shift; printf '\n===== %s =====\n' "$*" >>"$f"; }
 # ------------------------------------------------------------ which parts
 parts=("$@")
 ((${#parts[@]})) || parts=(build tests doctor bench)
-want_build=0 want_ctest=0 want_cpu=0 want_gpu=0 want_doctor=0 want_bench=0
+want_build=0 want_ctest=0 want_cpu=0 want_gpu=0 want_doctor=0 want_bench=0 want_sweep=0 want_pytorch=0
 for p in "${parts[@]}"; do
   case $p in
     build) want_build=1 ;;
@@ -82,8 +85,10 @@ for p in "${parts[@]}"; do
     tests) want_ctest=1 want_cpu=1 want_gpu=1 ;;
     doctor) want_doctor=1 ;;
     bench) want_bench=1 ;;
+    sweep) want_sweep=1 ;;
+    pytorch) want_pytorch=1 ;;
     all) want_build=1 want_ctest=1 want_cpu=1 want_gpu=1 want_doctor=1 want_bench=1 ;;
-    *) echo "device_run.sh: unknown part '$p' (build ctest cpu gpu tests doctor bench all)"; exit 2 ;;
+    *) echo "device_run.sh: unknown part '$p' (build ctest cpu gpu tests doctor sweep pytorch bench all)"; exit 2 ;;
   esac
 done
 
@@ -100,7 +105,7 @@ say "nvcc $(nvcc --version 2>/dev/null | grep -oE 'release [0-9.]+' || echo 'NOT
 cmake $(cmake --version 2>/dev/null | head -1 | grep -oE '[0-9.]+$'), $(nproc) cores, \
 TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, parts: ${parts[*]}"
 
-st_build="-" st_ctest="-" st_cpu="-" st_gpu="-" st_doctor="-" st_bench="-" build_s="-"
+st_build="-" st_ctest="-" st_cpu="-" st_gpu="-" st_doctor="-" st_bench="-" st_sweep="-" st_pytorch="-" build_s="-"
 
 ext_importable() {
   (cd /tmp && "$PY" -c 'import openwam_sdpa._C' >/dev/null 2>&1)
@@ -132,7 +137,7 @@ do_build() {
   fi
   say "build: $st_build"
 }
-if ((want_build)) || { ((want_cpu || want_gpu || want_doctor || want_bench)) && ! ext_importable; }; then
+if ((want_build)) || { ((want_cpu || want_gpu || want_doctor || want_bench || want_sweep || want_pytorch)) && ! ext_importable; }; then
   do_build
 fi
 
@@ -203,7 +208,7 @@ if ((want_cpu)); then pytest_part cpu 180 tests --ignore=tests/gpu; st_cpu=$REPL
 if ((want_gpu)); then
   junit=()
   [[ "${JUNIT:-0}" == "1" ]] && junit=(--junitxml="$OUT/pytest_gpu.xml")
-  pytest_part gpu 300 tests/gpu "${junit[@]}"; st_gpu=$REPLY
+  pytest_part gpu "${GPU_CAP:-300}" tests/gpu "${junit[@]}"; st_gpu=$REPLY
 fi
 
 # ------------------------------------------------------------ doctor
@@ -218,6 +223,33 @@ if ((want_doctor)); then
     *) st_doctor="FAILED (exit $rc): $(tail -1 "$OUT/doctor.txt" | cut -c1-120)" ;;
   esac
   say "doctor: $st_doctor"
+fi
+
+# ------------------------------------------------------------ sweep, PyTorch's tests
+# script_part NAME CAP LOG CMD...: one script with a time cap; sets REPLY.
+script_part() {
+  local name=$1 cap=$2 log=$3 rc; shift 3
+  section "$TESTS_LOG" "$name: $*"
+  say "$name: $*"
+  run_limited "$cap" "$log" "$@"
+  rc=$?
+  case $rc in
+    0) REPLY="ok" ;;
+    124|137) REPLY="TIMEOUT after ${cap}s" ;;
+    125) REPLY="skipped (time)" ;;
+    *) REPLY="FAILED (rc $rc)" ;;
+  esac
+  say "$name: $REPLY"
+}
+if ((want_sweep)); then
+  mkdir -p "$OUT/sweep"
+  script_part sweep 180 "$TESTS_LOG" "$PY" scripts/sweep_single_query_row.py --out "$OUT/sweep"
+  st_sweep=$REPLY
+fi
+if ((want_pytorch)); then
+  mkdir -p "$OUT/pt"
+  script_part pytorch 360 "$TESTS_LOG" "$PY" scripts/pytorch_sdpa_tests.py --device cuda --out "$OUT/pt" ${PT_ARGS:-}
+  st_pytorch=$REPLY
 fi
 
 # ------------------------------------------------------------ benchmark
@@ -247,10 +279,10 @@ nfiles=$(find "$OUT" -type f | wc -l)
 echo
 echo "==================== device_run summary ($((SECONDS - T0))s) ===================="
 printf '%-7s %s\n' build "$st_build" ctest "$st_ctest" cpu "$st_cpu" gpu "$st_gpu" doctor "$st_doctor" \
-  bench "$st_bench"
+  sweep "$st_sweep" pytorch "$st_pytorch" bench "$st_bench"
 printf '%-7s %s\n' files "$nfiles under \$OUT$( ((nfiles > 8)) && echo ' (OVER 8: some will not come back)')"
 fail=0
-for s in "$st_build" "$st_ctest" "$st_cpu" "$st_gpu" "$st_doctor" "$st_bench"; do
+for s in "$st_build" "$st_ctest" "$st_cpu" "$st_gpu" "$st_doctor" "$st_sweep" "$st_pytorch" "$st_bench"; do
   [[ "$s" == "-" || "$s" == ok* || "$s" == "no benchmarks"* ]] || fail=1
 done
 exit $fail

@@ -1,6 +1,7 @@
-"""The benchmark's output path (ratios, summary, JSON, markdown, PNG) on made-up
-numbers: `bench_sdpa.py --selftest` needs no GPU and asserts its own tables.
-The timings themselves come from the GPU machine (BENCHMARKS.md)."""
+"""Each benchmark's --selftest: its real code on the CPU with tiny shapes (every
+clock falls back to the host clock), then benchmarks/selftest.py's checks of
+its tables, summaries and files. The timings themselves come from the GPU
+machine (BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -9,28 +10,44 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_sdpa.py"
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def test_bench_selftest_writes_every_output(tmp_path):
-    r = subprocess.run([sys.executable, str(BENCH), "--selftest", "--out", str(tmp_path)],
+def selftest(script, out):
+    r = subprocess.run([sys.executable, str(BENCHMARKS / script), "--selftest", "--out", str(out)],
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "selftest OK" in r.stdout
+    return r.stdout
+
+
+def test_op_benchmark_selftest(tmp_path):
+    selftest("bench_sdpa.py", tmp_path)
     result = json.loads((tmp_path / "bench.json").read_text())
-    auto = result["summary"]["openwam-auto"]
-    assert auto["measured"] == len(result["cases"]) == 18
-    assert auto["geomean_fwdbwd_dev_ratio"] is not None and auto["max_fwd_dev_ratio"] is not None
+    n = len(result["cases"])
+    assert n == 6  # 3 tiny shapes x 2 layouts
+    assert result["summary"]["openwam-auto"]["measured"] == n
+    assert result["paired_summary"]["openwam-default"]["measured"] == n
+    assert len(result["shares"]) == 4 and all(len(e["cells"]) == 4 for e in result["shares"])
+    assert len(result["memory"]) == 6
     md = (tmp_path / "bench.md").read_text()
-    for title in ("**Forward + backward**", "**Backward only:**", "**Forward only**",
-                  "**Forward device time**", "**Forward + backward device time**",
-                  "**Paired device time**"):
+    for title in ("**Paired device time**", "**Host time per call**", "**Affected share**",
+                  "**Peak memory with large masks**"):
         assert title in md
-    assert "cudnn-again" in md
-    paired = result["paired_summary"]
-    assert paired["openwam-default"]["measured"] == paired["cudnn-again"]["measured"] == 18
-    assert paired["fwd_bit_identical"] == "18/18"
-    # The paired cells are medians of per-round ratios: recompute one from the raw times.
-    case = result["cases"][0]["paired"]
-    ratios = sorted(a / b for a, b in zip(case["ms"]["openwam-default"]["fwd"], case["ms"]["cudnn"]["fwd"]))
-    assert abs(case["ratios"]["openwam-default"]["fwd"]["median"] - ratios[len(ratios) // 2]) < 1e-12
+
+
+def test_block_benchmark_selftest(tmp_path):
+    selftest("bench_block.py", tmp_path)
+    result = json.loads((tmp_path / "block.json").read_text())
+    assert set(result["ratios"]) == {"openwam", "stock-again"}
+    assert len(result["decisions"]) == 3
+
+
+def test_model_benchmark_selftest(tmp_path):
+    pytest.importorskip("transformers")
+    selftest("bench_model.py", tmp_path)
+    result = json.loads((tmp_path / "model.json").read_text())
+    assert [(e["mode"], e["padding"]) for e in result["configs"]] == [
+        ("eager", "left"), ("eager", "none"), ("compile", "left")]

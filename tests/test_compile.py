@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import make_mask
+from support import make_mask
 
 B, L, D, HEADS = 2, 10, 32, 4
 

@@ -1,5 +1,6 @@
-"""`python -m openwam_sdpa doctor` on a machine without a GPU, and its verdict
-logic on made-up facts (the GPU run is tests/gpu/test_doctor_gpu.py)."""
+"""`python -m openwam_sdpa doctor` on a machine without a GPU, its two cases
+run on the CPU, its verdict logic on made-up GPU facts, and what it says
+about each known torch/cuDNN pair (the GPU run is tests/gpu/test_doctor_gpu.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from openwam_sdpa import doctor
+from openwam_sdpa import build_info, doctor, key_tail_defect
 
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(),
                             reason="checks the no-GPU report; tests/gpu/test_doctor_gpu.py covers GPUs")
@@ -27,7 +28,9 @@ def test_doctor_without_gpu_says_what_it_could_not_check():
     r = run_module("doctor")
     assert r.returncode == doctor.EXIT_OK, r.stdout + r.stderr
     assert f"torch            {torch.__version__}" in r.stdout
+    assert "known pair" in r.stdout and "guard table      cuDNN" in r.stdout
     assert "not checked: no CUDA GPU" in r.stdout
+    assert "adversarial case" not in r.stdout  # nothing ran
     assert r.stdout.rstrip().splitlines()[-1].startswith("verdict: not affected here: no CUDA GPU")
 
 
@@ -39,6 +42,9 @@ def test_doctor_json():
     assert facts["torch"] == torch.__version__
     assert facts["gpu"] is None and facts["exit_code"] == doctor.EXIT_OK
     assert facts["not_checked"]
+    assert facts["known_pair"]["shipped"] == doctor.shipped_cudnn(torch.__version__)
+    assert facts["coverage"]["status"] in ("none", "measured", "conservative", "fixed", "unverified")
+    assert "left_padding_nonfinite" not in facts
 
 
 def test_module_without_a_command_prints_usage():
@@ -47,44 +53,200 @@ def test_module_without_a_command_prints_usage():
     assert "usage: python -m openwam_sdpa doctor" in r.stderr
 
 
-def gpu_facts(stock=0, ours=0, listed=()):
-    return {
-        "torch": "2.11.0+cu130", "cuda": "13.0", "cudnn_compiled": 91900, "cudnn_runtime": 91900,
-        "built_for_torch": "2.11.0+cu130", "extension_has_cuda": True, "gpu": "H200 (sm90)",
-        "not_checked": [], "affected_remainders_d128": list(listed),
-        "openwam_plan": {"backend": "cudnn", "plan": "repair_dq"},
-        "pytorch_default_backend": "cudnn_attention",
-        "adversarial_nonfinite": {
-            "stock F.sdpa, bool mask": {"q": stock, "k": 0, "v": 0},
-            "openwam_sdpa, bool mask": {"q": ours, "k": 0, "v": 0},
-        },
-    }
-
-
-@pytest.mark.parametrize("stock,ours,listed,code,start", [
-    (1024, 0, [64], doctor.EXIT_AFFECTED, "AFFECTED: stock SDPA gave 1024"),
-    (0, 0, [64], doctor.EXIT_AFFECTED, "AFFECTED: the guard table lists"),
-    (0, 0, [], doctor.EXIT_OK, "not affected:"),
-    (1024, 3, [64], doctor.EXIT_BROKEN, "BROKEN: openwam_sdpa gave 3"),
-    (0, 1, [], doctor.EXIT_BROKEN, "BROKEN"),
-])
-def test_verdict(stock, ours, listed, code, start):
-    line, got = doctor.verdict(gpu_facts(stock, ours, listed))
-    assert got == code and line.startswith(start), line
-
-
-def test_report_lists_the_gpu_facts():
-    text = doctor.format_report(gpu_facts(1024, 0, [64]))
-    assert "cuDNN            runtime 9.19.0, compiled 9.19.0" in text
-    assert "s_kv % 128 in [64]" in text
-    assert "stock F.sdpa, bool mask" in text and "1024" in text
+# ------------------------------------------------------------------ the two cases
 
 
 def test_adversarial_row_is_below_the_float32_exp_limit():
-    """The doctor's case is only a test if its row 0 has lse < -88.7 (where
-    exp() underflows in float32); random data never gets there."""
-    c = doctor.CASE
-    q, k, v, _ = doctor.adversarial_inputs(device="cpu", dtype=torch.float64, **c)
-    lse = torch.logsumexp(q @ k.transpose(-2, -1) / math.sqrt(c["head_dim"]), dim=-1)
-    assert lse[..., 0].max().item() < -88.7
-    assert lse[..., 1:].min().item() > -20.0
+    """The adversarial case is only a test if its rows have lse < -88.7
+    (where exp() underflows in float32); random data never gets there."""
+    c = doctor.ADVERSARIAL
+    adv = doctor.adversarial_case("cpu", torch.float64)
+    lse = torch.logsumexp(adv.query @ adv.key.transpose(-2, -1) / math.sqrt(c["head_dim"]), dim=-1)
+    assert adv.affected[..., 0].all() and adv.affected.sum() == c["batch"] * c["heads"]
+    assert lse[adv.affected].max().item() < -88.7
+    assert lse[~adv.affected].min().item() > -20.0
+
+
+def test_left_padded_case_has_fully_masked_rows_at_an_affected_length():
+    """The trigger is the padding's query rows, which see no key, at a key
+    length the measured rule marks affected (704 % 128 == 64)."""
+    c = doctor.LEFT_PADDED
+    q, k, v, grad_out, mask = doctor.left_padded_case("cpu", torch.float32)
+    assert q.shape == k.shape == grad_out.shape == (c["batch"], c["heads"], c["s"], c["head_dim"])
+    assert mask.dtype == torch.bool and mask.shape == (c["batch"], 1, c["s"], c["s"])
+    empty = ~mask.any(-1)  # [B, 1, s]
+    assert empty.sum() == c["padding"] and empty[-1, 0, :c["padding"]].all()
+    assert key_tail_defect(91900, c["s"], c["head_dim"])
+
+
+def test_cases_run_on_the_cpu():
+    """The code path the GPU takes, on the CPU (no cuDNN here: all finite)."""
+    facts = doctor.run_cases("cpu")
+    assert facts["adversarial_lse"] < -88.7
+    assert set(facts["adversarial_nonfinite"]) == {
+        "stock F.sdpa, bool mask", "openwam_sdpa, bool mask",
+        "stock F.sdpa, no mask", "openwam_sdpa, no mask"}
+    assert set(facts["left_padding_nonfinite"]) == {"stock F.sdpa", "openwam_sdpa"}
+    runs = [*facts["adversarial_nonfinite"].values(), *facts["left_padding_nonfinite"].values()]
+    assert all(counts == {"q": 0, "k": 0, "v": 0} for counts in runs), runs
+    assert facts["left_padding_default_backend"] == facts["left_padding_plan"]["pytorch_choice"]
+    json.dumps(facts)  # --json prints these as they are
+
+
+# ------------------------------------------------------------------ verdict and report
+
+
+def gpu_facts(stock=0, ours=0, stock_lp=0, ours_lp=0, cudnn=91900):
+    counts = lambda n: {"q": n, "k": 0, "v": 0}  # noqa: E731
+    plan = {"backend": "cudnn", "plan": "repair_dq", "pytorch_choice": "cudnn_attention"}
+    return {
+        "torch": "2.11.0+cu130", "cuda": "13.0", "cudnn_compiled": cudnn, "cudnn_runtime": cudnn,
+        "built_for_torch": "2.11.0+cu130", "extension_has_cuda": True, "gpu": "H200 (sm90)",
+        "known_pair": doctor.known_pair("2.11.0+cu130", cudnn), "coverage": doctor.coverage(cudnn),
+        "coverage_of": "runtime", "not_checked": [],
+        "settings": {"cudnn": "follow_pytorch", "pad": "auto", "check_finite": False},
+        "openwam_plan": plan, "pytorch_default_backend": "cudnn_attention", "adversarial_lse": -103.4,
+        "adversarial_nonfinite": {
+            "stock F.sdpa, bool mask": counts(stock),
+            "openwam_sdpa, bool mask": counts(ours),
+        },
+        "left_padding_plan": plan, "left_padding_default_backend": "cudnn_attention",
+        "left_padding_nonfinite": {"stock F.sdpa": counts(stock_lp), "openwam_sdpa": counts(ours_lp)},
+    }
+
+
+@pytest.mark.parametrize("facts,code,start", [
+    (gpu_facts(1024, 0, 8192), doctor.EXIT_AFFECTED, "AFFECTED: stock SDPA gave 9216"),
+    (gpu_facts(0, 0, 8192), doctor.EXIT_AFFECTED, "AFFECTED: stock SDPA gave 8192"),
+    (gpu_facts(), doctor.EXIT_AFFECTED, "AFFECTED: the guard table lists"),
+    (gpu_facts(cudnn=92000), doctor.EXIT_AFFECTED, "AFFECTED: the guard table lists"),
+    (gpu_facts(cudnn=92600), doctor.EXIT_OK, "not affected: stock SDPA gave finite"),
+    (gpu_facts(cudnn=92700), doctor.EXIT_OK, "not affected as far as checked"),
+    (gpu_facts(1024, 3), doctor.EXIT_BROKEN, "BROKEN: openwam_sdpa gave 3"),
+    (gpu_facts(0, 0, 8192, 5), doctor.EXIT_BROKEN, "BROKEN: openwam_sdpa gave 5"),
+    (gpu_facts(0, 0, 64, cudnn=92700), doctor.EXIT_AFFECTED, "AFFECTED: stock SDPA gave 64"),
+])
+def test_verdict(facts, code, start):
+    line, got = doctor.verdict(facts)
+    assert got == code and line.startswith(start), line
+
+
+def test_broken_verdict_names_a_fix_turned_off():
+    facts = gpu_facts(1024, 1024)
+    facts["settings"]["pad"] = "never"
+    line, code = doctor.verdict(facts)
+    assert code == doctor.EXIT_BROKEN and "OPENWAM_SDPA_PAD=never turns the fix off" in line
+
+
+def test_unverified_verdict_says_so():
+    line, _ = doctor.verdict(gpu_facts(cudnn=92700))
+    assert "cuDNN 9.27.0 is unverified" in line and "stock path" in line
+
+
+def test_report_lists_the_gpu_facts():
+    text = doctor.format_report(gpu_facts(1024, 0, 8192))
+    assert "cuDNN            runtime 9.19.0, compiled 9.19.0" in text
+    assert "settings         cudnn=follow_pytorch pad=auto check_finite=False" in text
+    assert "known pair       torch 2.11.0 ships cuDNN 9.19" in text
+    assert "guard table      cuDNN 9.19.0: measured rule key_tail_nan_dq_9.19 (s_kv % 128 in [64]" in text
+    lines = text.splitlines()
+    adv = next(i for i, line in enumerate(lines) if "adversarial case" in line)
+    assert "lse -103.4" in lines[adv]
+    assert lines[adv + 1].split() == "stock F.sdpa, bool mask non-finite dQ 1024 dK 0 dV 0".split()
+    padded = next(i for i, line in enumerate(lines) if "left-padded causal batch" in line)
+    assert "64 padding tokens" in lines[padded] and "default backend cudnn_attention" in lines[padded]
+    assert lines[padded + 1].split() == "stock F.sdpa non-finite dQ 8192 dK 0 dV 0".split()
+    assert lines[padded + 2].split() == "openwam_sdpa non-finite dQ 0 dK 0 dV 0".split()
+
+
+def test_report_without_gpu_names_the_shipped_cudnn():
+    facts = dict(gpu_facts(), cudnn_runtime=0, coverage=doctor.coverage(92000), coverage_of="shipped",
+                 gpu=None, not_checked=["no CUDA GPU"])
+    text = doctor.format_report(facts)
+    assert "guard table      cuDNN 9.20 (shipped with this torch; none loaded here): conservative" in text
+    assert "adversarial case" not in text
+
+
+# ------------------------------------------------------------------ known pairs and coverage
+
+
+@pytest.mark.parametrize("torch_version,cudnn,status", [
+    ("2.11.0+cu130", 91900, "measured"),
+    ("2.12.1+cu128", 92000, "conservative"),
+    ("2.13.0", 92000, "conservative"),
+    ("2.14.1+cu130", 92400, "conservative"),
+    ("2.15.0+cu130", 92600, "fixed"),
+])
+def test_each_known_pair(torch_version, cudnn, status):
+    assert doctor.shipped_cudnn(torch_version) == cudnn
+    pair = doctor.known_pair(torch_version, cudnn)
+    assert pair["summary"] == f"torch {torch_version.split('+')[0]} ships cuDNN {doctor.minor_str(cudnn)}"
+    cov = doctor.coverage(cudnn)
+    assert cov["status"] == status, cov
+    if status == "measured":
+        assert cov["remainders"] == [64] and "key_tail_nan_dq_9.19" in cov["summary"]
+    elif status == "conservative":
+        assert cov["remainders"] == list(range(1, 128))
+        assert "conservative rule key_tail_nan_dq " in cov["summary"]
+    else:
+        assert cov["remainders"] == [] and "fixed" in cov["summary"]
+        # 9.26 fixed the key tail, but has defects of its own (#1071, #1072).
+        sources = " ".join(r["source"] for r in cov["rules"])
+        assert "#1071" in sources and "#1072" in sources, cov["rules"]
+
+
+def test_unknown_torch_and_a_foreign_cudnn():
+    assert doctor.shipped_cudnn("2.10.0+cu128") is None
+    assert "torch 2.10.0+cu128 is not a known pair (2.11/9.19, 2.12/9.20" in \
+        doctor.known_pair("2.10.0+cu128", 91000)["summary"]
+    assert doctor.known_pair("2.11.0+cu130", 92001)["summary"] == \
+        "torch 2.11.0 ships cuDNN 9.19, but cuDNN 9.20.1 is loaded"
+    assert doctor.known_pair("2.11.0+cu130", 91901)["summary"] == "torch 2.11.0 ships cuDNN 9.19"
+
+
+@pytest.mark.parametrize("cudnn,status", [
+    (0, "none"),
+    (90701, "conservative"),   # torch 2.7.1's cuDNN: every remainder failed
+    (91901, "conservative"),   # a 9.19 patch release nobody measured
+    (92501, "conservative"),
+    (92699, "fixed"),
+    (92700, "unverified"),
+    (100000, "unverified"),
+])
+def test_coverage_of_other_versions(cudnn, status):
+    cov = doctor.coverage(cudnn)
+    assert cov["status"] == status, cov
+    if status == "unverified":
+        assert "unverified: newer than the last known cuDNN (9.26)" in cov["summary"]
+        assert "stock path" in cov["summary"] and cov["rules"] == []
+
+
+def test_guard_rows_are_read_by_their_version_ranges():
+    """A row applies in [first_version, end_version) and is measured in
+    [measured_first_version, measured_end_version); of the key-tail rows the
+    first that applies wins, as in the guard."""
+    rows = [
+        {"name": "key_tail_nan_dq_9.20", "first_version": 92000, "end_version": 92001,
+         "measured_first_version": 92000, "measured_end_version": 92001},
+        {"name": "key_tail_nan_dq", "first_version": 0, "end_version": 92600,
+         "measured_first_version": 0, "measured_end_version": 0},
+        {"name": "later_defect", "first_version": 92400, "end_version": 92700,
+         "measured_first_version": 92400, "measured_end_version": 92401},
+        {"name": "a row without a range"},
+    ]
+    assert [(r["name"], r["measured"]) for r in doctor.rules_for(92000, rows)] == [
+        ("key_tail_nan_dq_9.20", True)]
+    assert [(r["name"], r["measured"]) for r in doctor.rules_for(92400, rows)] == [
+        ("key_tail_nan_dq", False), ("later_defect", True)]
+    assert doctor.rules_for(92700, rows) == []
+    cov = doctor.coverage(92000, rows)
+    assert cov["status"] == "measured" and "measured rule key_tail_nan_dq_9.20" in cov["summary"]
+    assert doctor.coverage(92400, rows)["summary"].endswith("other rules: later_defect (measured)")
+
+
+def test_newest_known_cudnn_comes_from_the_guard_table():
+    newest = build_info()["newest_known_cudnn"]
+    assert newest // 100 == max(doctor.KNOWN_PAIRS.values()) // 100  # 9.26.x
+    assert doctor.coverage(newest)["status"] == "fixed"
+    assert doctor.coverage(newest + 1)["status"] == "unverified"
+    assert doctor.coverage(92600, newest_known=92599)["status"] == "unverified"

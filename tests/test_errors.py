@@ -1,6 +1,13 @@
-"""Misuse of openwam::sdpa / openwam::pad_keys gives a clear error, never a
-crash or a hang: every message names the op, the argument, and what arrived
-(csrc/sdpa_inputs.cpp, csrc/padding.cpp, csrc/settings.cpp)."""
+"""Bad input behaves exactly as in F.scaled_dot_product_attention.
+
+F.sdpa's contract is the contract: what it accepts, openwam_sdpa accepts
+(with the same result), and what it rejects, openwam_sdpa rejects with the
+same exception type and message. The op hands every call it does not serve
+itself to PyTorch's own implementation, so this holds by construction; these
+tests keep it so, through each entry point (openwam_sdpa.sdpa, the op
+torch.ops.openwam.sdpa, and the patched F.sdpa). pad_keys and the settings
+have errors of their own, tested at the end.
+"""
 
 from __future__ import annotations
 
@@ -10,16 +17,10 @@ from typing import Callable, NamedTuple
 import pytest
 import torch
 
-from conftest import make_mask, randn
+from support import F_SDPA, make_mask, randn
 
 B, H, L, S, E = 2, 3, 4, 6, 8
 F64, F32 = torch.float64, torch.float32
-
-
-def ow():
-    import openwam_sdpa
-
-    return openwam_sdpa
 
 
 def q_(*shape, dtype=F64, **kw):
@@ -34,110 +35,219 @@ def v_(*shape, dtype=F64, **kw):
     return randn(*(shape or (B, H, S, E)), dtype=dtype, seed=3, **kw)
 
 
-def sdpa(q=None, k=None, v=None, mask=None, **kw):
-    q = q_() if q is None else q
-    k = k_() if k is None else k
-    v = v_() if v is None else v
-    return ow().sdpa(q, k, v, mask, **kw)
+class Call(NamedTuple):
+    """One call of F.sdpa's signature: positional (q, k, v[, mask]) + keywords."""
+    args: Callable[[], tuple]
+    kwargs: dict = {}
 
 
-def pad(k=None, v=None, mask=None, multiple=128):
-    k = k_() if k is None else k
-    v = v_() if v is None else v
-    return ow().pad_keys(k, v, mask, multiple)
-
-
-class Misuse(NamedTuple):
-    call: Callable[[], object]
-    op: str  # "sdpa" or "pad_keys"
-    argument: str  # the argument's name, as the message spells it
-    got: str  # what arrived, as the message spells it
+def call(q=None, k=None, v=None, mask=None, **kwargs):
+    return Call(lambda: (q_() if q is None else q(), k_() if k is None else k(),
+                         v_() if v is None else v(), None if mask is None else mask()),
+                kwargs)
 
 
 META = "meta"
 CASES = {
     # dtypes
-    "key_dtype": Misuse(lambda: sdpa(k=k_(dtype=F32)), "sdpa", "key must have query's dtype (Double)", "got Float"),
-    "value_dtype": Misuse(lambda: sdpa(v=v_(dtype=torch.float16)), "sdpa", "value must have query's dtype (Double)", "got Half"),
-    "query_integer": Misuse(lambda: sdpa(q_().long(), k_().long(), v_().long()), "sdpa", "query must be a floating point tensor", "got Long"),
-    "query_bool": Misuse(lambda: sdpa(q_().bool(), k_().bool(), v_().bool()), "sdpa", "query must be a floating point tensor", "got Bool"),
+    "key_dtype": call(k=lambda: k_(dtype=F32)),
+    "value_dtype": call(v=lambda: v_(dtype=torch.float16)),
+    "integer_inputs": call(lambda: q_().long(), lambda: k_().long(), lambda: v_().long()),
+    "bool_inputs": call(lambda: q_().bool(), lambda: k_().bool(), lambda: v_().bool()),
     # devices (a meta tensor stands in for another device)
-    "key_device": Misuse(lambda: sdpa(k=k_().to(META)), "sdpa", "key must be on query's device (cpu)", "got meta"),
-    "value_device": Misuse(lambda: sdpa(v=v_().to(META)), "sdpa", "value must be on query's device (cpu)", "got meta"),
-    "query_device": Misuse(lambda: sdpa(q=q_().to(META)), "sdpa", "key must be on query's device (meta)", "got cpu"),
-    "mask_device": Misuse(lambda: sdpa(mask=torch.ones(L, S, dtype=torch.bool, device=META)), "sdpa", "attn_mask must be on query's device (cpu)", "got meta"),
+    "key_device": call(k=lambda: k_().to(META)),
+    "value_device": call(v=lambda: v_().to(META)),
+    "query_device": call(q=lambda: q_().to(META)),
+    # (A meta mask with CPU inputs is left out: F.sdpa returns uninitialised
+    # memory for it, so there is no result to compare.)
     # ranks
-    "query_1d": Misuse(lambda: sdpa(q_(E), k_(S, E), v_(S, E)), "sdpa", "query must have at least 2 dims [..., L, E]", "got 1-D"),
-    "query_0d": Misuse(lambda: sdpa(torch.tensor(1.0, dtype=F64), torch.tensor(1.0, dtype=F64), torch.tensor(1.0, dtype=F64)), "sdpa", "query must have at least 2 dims", "got 0-D"),
-    "key_rank": Misuse(lambda: sdpa(k=k_(B * H, S, E)), "sdpa", "key must have query's rank (4-D)", "got 3-D"),
-    "value_rank": Misuse(lambda: sdpa(v=v_(1, B, H, S, E)), "sdpa", "value must have query's rank (4-D)", "got 5-D"),
+    "query_1d": call(lambda: q_(E), lambda: k_(S, E), lambda: v_(S, E)),
+    "query_0d": call(lambda: torch.tensor(1.0, dtype=F64), lambda: torch.tensor(1.0, dtype=F64),
+                     lambda: torch.tensor(1.0, dtype=F64)),
+    "key_rank": call(k=lambda: k_(B * H, S, E)),
+    "value_rank": call(v=lambda: v_(1, B, H, S, E)),
     # sizes
-    "key_batch": Misuse(lambda: sdpa(k=k_(3, H, S, E)), "sdpa", "key must have query's size 2 in batch dim 0", "got 3"),
-    "value_batch": Misuse(lambda: sdpa(v=v_(1, H, S, E)), "sdpa", "value must have query's size 2 in batch dim 0", "got 1"),
-    "key_batch_3d": Misuse(lambda: sdpa(q_(4, L, E), k_(5, S, E), v_(5, S, E)), "sdpa", "key must have query's size 4 in batch dim 0", "got 5"),
-    "key_heads": Misuse(lambda: sdpa(q_(B, 4, L, E), k_(B, 2, S, E), v_(B, 2, S, E)), "sdpa", "key must have query's number of heads (4) unless enable_gqa=True", "got 2"),
-    "value_heads": Misuse(lambda: sdpa(q_(B, 4, L, E), k_(B, 2, S, E), v_(B, 4, S, E), enable_gqa=True), "sdpa", "value must have key's number of heads (2)", "got 4"),
-    "gqa_not_divisible": Misuse(lambda: sdpa(q_(B, 4, L, E), k_(B, 3, S, E), v_(B, 3, S, E), enable_gqa=True), "sdpa", "with enable_gqa=True, query's heads (4) must be a multiple of key's heads", "got 3"),
-    "head_dim": Misuse(lambda: sdpa(k=k_(B, H, S, 4)), "sdpa", "key must have the same head_dim as query (8)", "got 4"),
-    "value_seq_len": Misuse(lambda: sdpa(v=v_(B, H, S - 1, E)), "sdpa", "value must have the same sequence length as key (6)", "got 5"),
+    "key_batch": call(k=lambda: k_(3, H, S, E)),
+    "value_batch": call(v=lambda: v_(1, H, S, E)),
+    "key_batch_3d": call(lambda: q_(4, L, E), lambda: k_(5, S, E), lambda: v_(5, S, E)),
+    "key_heads": call(lambda: q_(B, 4, L, E), lambda: k_(B, 2, S, E), lambda: v_(B, 2, S, E)),
+    "value_heads_gqa": call(lambda: q_(B, 4, L, E), lambda: k_(B, 2, S, E), lambda: v_(B, 4, S, E),
+                            enable_gqa=True),
+    "gqa_not_divisible": call(lambda: q_(B, 4, L, E), lambda: k_(B, 3, S, E),
+                              lambda: v_(B, 3, S, E), enable_gqa=True),
+    "gqa_divisible": call(lambda: q_(B, 4, L, E), lambda: k_(B, 2, S, E), lambda: v_(B, 2, S, E),
+                          enable_gqa=True),
+    "head_dim": call(k=lambda: k_(B, H, S, 4)),
+    "value_head_dim": call(v=lambda: v_(B, H, S, 4)),
+    "value_seq_len": call(v=lambda: v_(B, H, S - 1, E)),
     # masks
-    "mask_integer": Misuse(lambda: sdpa(mask=torch.ones(L, S, dtype=torch.long)), "sdpa", "attn_mask must be bool or have query's dtype (Double)", "got Long"),
-    "mask_float32_for_float64": Misuse(lambda: sdpa(mask=torch.zeros(L, S, dtype=F32)), "sdpa", "attn_mask must be bool or have query's dtype (Double)", "got Float"),
-    "mask_too_many_dims": Misuse(lambda: sdpa(mask=torch.ones(1, B, H, L, S, dtype=torch.bool)), "sdpa", "attn_mask must have at most 4 dims", "got 5-D"),
-    "mask_too_many_dims_3d": Misuse(lambda: sdpa(q_(B, L, E), k_(B, S, E), v_(B, S, E), torch.ones(1, B, L, S, dtype=torch.bool)), "sdpa", "attn_mask must have at most 3 dims", "got 4-D"),
-    "mask_key_dim": Misuse(lambda: sdpa(mask=torch.ones(B, H, L, S + 1, dtype=torch.bool)), "sdpa", "attn_mask of shape [2, 3, 4, 7] does not broadcast to the attention shape [2, 3, 4, 6] (dim -1: expected 6 or 1", "got 7"),
-    "mask_query_dim": Misuse(lambda: sdpa(mask=torch.ones(L + 2, S, dtype=torch.bool)), "sdpa", "attn_mask of shape [6, 6] does not broadcast to the attention shape [2, 3, 4, 6] (dim -2: expected 4 or 1", "got 6"),
-    "mask_head_dim": Misuse(lambda: sdpa(mask=torch.ones(B, 2, L, S, dtype=torch.bool)), "sdpa", "attn_mask of shape [2, 2, 4, 6] does not broadcast to the attention shape [2, 3, 4, 6] (dim -3: expected 3 or 1", "got 2"),
-    "mask_batch_dim": Misuse(lambda: sdpa(mask=torch.zeros(3, 1, 1, S, dtype=F64)), "sdpa", "attn_mask of shape [3, 1, 1, 6] does not broadcast to the attention shape [2, 3, 4, 6] (dim -4: expected 2 or 1", "got 3"),
-    "mask_gqa_uses_query_heads": Misuse(lambda: sdpa(q_(B, 4, L, E), k_(B, 2, S, E), v_(B, 2, S, E), torch.ones(B, 2, L, S, dtype=torch.bool), enable_gqa=True), "sdpa", "attn_mask of shape [2, 2, 4, 6] does not broadcast to the attention shape [2, 4, 4, 6] (dim -3: expected 4 or 1", "got 2"),
-    "mask_requires_grad": Misuse(lambda: sdpa(mask=torch.zeros(L, S, dtype=F64, requires_grad=True)), "sdpa", "attn_mask must not require grad", "got a mask with requires_grad=True"),
-    "mask_and_causal": Misuse(lambda: sdpa(mask=torch.ones(L, S, dtype=torch.bool), is_causal=True), "sdpa", "attn_mask and is_causal=True cannot be combined", ""),
+    "mask_integer": call(mask=lambda: torch.ones(L, S, dtype=torch.long)),
+    "mask_float32_for_float64": call(mask=lambda: torch.zeros(L, S, dtype=F32)),
+    "mask_0d": call(mask=lambda: torch.tensor(True)),
+    "mask_1d": call(mask=lambda: torch.ones(S, dtype=torch.bool)),
+    "mask_5d": call(mask=lambda: torch.ones(1, B, H, L, S, dtype=torch.bool)),
+    "mask_4d_for_3d": call(lambda: q_(B, L, E), lambda: k_(B, S, E), lambda: v_(B, S, E),
+                           lambda: torch.ones(1, B, L, S, dtype=torch.bool)),
+    "mask_key_dim": call(mask=lambda: torch.ones(B, H, L, S + 1, dtype=torch.bool)),
+    "mask_query_dim": call(mask=lambda: torch.ones(L + 2, S, dtype=torch.bool)),
+    "mask_head_dim": call(mask=lambda: torch.ones(B, 2, L, S, dtype=torch.bool)),
+    "mask_batch_dim": call(mask=lambda: torch.zeros(3, 1, 1, S, dtype=F64)),
+    "mask_gqa_key_heads": call(lambda: q_(B, 4, L, E), lambda: k_(B, 2, S, E),
+                               lambda: v_(B, 2, S, E),
+                               lambda: torch.ones(B, 2, L, S, dtype=torch.bool), enable_gqa=True),
+    "mask_and_causal": call(mask=lambda: torch.ones(L, S, dtype=torch.bool), is_causal=True),
+    "mask_all_false": call(mask=lambda: torch.zeros(L, S, dtype=torch.bool)),
     # dropout and scale
-    "dropout_negative": Misuse(lambda: sdpa(dropout_p=-0.1), "sdpa", "dropout_p must be in [0, 1)", "got -0.1"),
-    "dropout_one": Misuse(lambda: sdpa(dropout_p=1.0), "sdpa", "dropout_p must be in [0, 1)", "got 1"),
-    "dropout_above_one": Misuse(lambda: sdpa(dropout_p=1.5), "sdpa", "dropout_p must be in [0, 1)", "got 1.5"),
-    "dropout_nan": Misuse(lambda: sdpa(dropout_p=float("nan")), "sdpa", "dropout_p must be in [0, 1)", "got nan"),
-    "dropout_inf": Misuse(lambda: sdpa(dropout_p=float("inf")), "sdpa", "dropout_p must be in [0, 1)", "got inf"),
-    "scale_zero": Misuse(lambda: sdpa(scale=0.0), "sdpa", "scale must be a positive finite number or None", "got 0"),
-    "scale_negative": Misuse(lambda: sdpa(scale=-0.5), "sdpa", "scale must be a positive finite number or None", "got -0.5"),
-    "scale_inf": Misuse(lambda: sdpa(scale=float("inf")), "sdpa", "scale must be a positive finite number or None", "got inf"),
-    "scale_neg_inf": Misuse(lambda: sdpa(scale=float("-inf")), "sdpa", "scale must be a positive finite number or None", "got -inf"),
-    "scale_nan": Misuse(lambda: sdpa(scale=float("nan")), "sdpa", "scale must be a positive finite number or None", "got nan"),
-    # explain() validates like the op
-    "explain_head_dim": Misuse(lambda: ow().explain(q_(), k_(B, H, S, 4), v_()), "sdpa", "key must have the same head_dim as query (8)", "got 4"),
-    # pad_keys
-    "pad_multiple_zero": Misuse(lambda: pad(multiple=0), "pad_keys", "multiple must be a positive integer", "got 0"),
-    "pad_multiple_negative": Misuse(lambda: pad(multiple=-64), "pad_keys", "multiple must be a positive integer", "got -64"),
-    "pad_value_length": Misuse(lambda: pad(v=v_(B, H, S + 2, E)), "pad_keys", "value must have the same sequence length as key (6)", "got 8"),
-    "pad_mask_integer": Misuse(lambda: pad(mask=torch.ones(L, S, dtype=torch.int32)), "pad_keys", "attn_mask must be bool or floating point", "got Int"),
-    "pad_mask_last_dim": Misuse(lambda: pad(mask=torch.ones(L, S - 1, dtype=torch.bool)), "pad_keys", "attn_mask's last dim must be the key length (6) or 1", "got 5"),
-    "pad_mask_0d": Misuse(lambda: pad(mask=torch.tensor(True)), "pad_keys", "attn_mask must have at least 1 dim", "got 0-D"),
-    "pad_key_1d": Misuse(lambda: pad(k=k_(S), v=v_(S)), "pad_keys", "key must have at least 2 dims [..., S, E]", "got 1-D"),
-    "pad_value_1d": Misuse(lambda: pad(v=v_(S)), "pad_keys", "value must have at least 2 dims [..., S, Ev]", "got 1-D"),
+    "dropout_negative": call(dropout_p=-0.1),
+    "dropout_one": call(dropout_p=1.0),
+    "dropout_above_one": call(dropout_p=1.5),
+    "dropout_nan": call(dropout_p=float("nan")),
+    "scale_zero": call(scale=0.0),
+    "scale_negative": call(scale=-0.5),
+    "scale_inf": call(scale=float("inf")),
+    "scale_nan": call(scale=float("nan")),
+    # argument types
+    "scale_positional": Call(lambda: (q_(), k_(), v_(), None, 0.0, False, 0.5)),
+    "unknown_keyword": call(window=3),
 }
 
 
-def expected_pattern(case: Misuse) -> str:
-    pattern = re.escape(f"openwam::{case.op}: {case.argument}")
-    if case.got:
-        pattern += ".*" + re.escape(case.got)
-    return pattern
+def outcome(fn, case: Call, seed=5):
+    """('ok', output) or (exception type, message) of one call."""
+    args = case.args()
+    torch.manual_seed(seed)  # dropout
+    try:
+        return ("ok", fn(*args, **case.kwargs))
+    except Exception as e:  # noqa: BLE001 - the point is to compare any exception
+        return (type(e), str(e))
 
 
+def same_outcome(got, expected, what, name=None):
+    """`name`: the entry point's own function name, which Python's argument
+    errors (TypeError) carry in place of scaled_dot_product_attention."""
+    kind, value = expected
+    if name is not None and kind is TypeError:
+        value = value.replace("scaled_dot_product_attention()", f"{name}()")
+    assert got[0] == kind, f"{what}: {got[0]} ({got[1]!r:.200}) where F.sdpa gives {kind} ({value!r:.200})"
+    if kind == "ok":
+        torch.testing.assert_close(got[1], value, atol=0, rtol=0, equal_nan=True)
+    else:
+        assert got[1] == value, f"{what}: message {got[1]!r} where F.sdpa says {value!r}"
+
+
+def op_call(*args, **kwargs):
+    return torch.ops.openwam.sdpa(*args, **kwargs)
+
+
+def patched_call(ow):
+    def call(*args, **kwargs):
+        with ow.patch():
+            return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+
+    return call
+
+
+# entry point -> (its function, given the package; the function name its
+# TypeErrors carry)
+ENTRY_POINTS = {"openwam_sdpa.sdpa": (lambda ow: ow.sdpa, "sdpa"),
+                "patched F.sdpa": (patched_call, None)}
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_misuse_raises_clear_error(case):
-    with pytest.raises(RuntimeError, match=expected_pattern(case)) as info:
-        case.call()
-    # One readable line, not a C++ backtrace.
-    assert "Exception raised from" not in str(info.value)
+def test_same_outcome_as_f_sdpa(ow, case, entry):
+    entry_point, name = ENTRY_POINTS[entry]
+    same_outcome(outcome(entry_point(ow), case), outcome(F_SDPA, case), entry, name)
 
 
-def test_at_least_25_distinct_cases():
-    distinct = {expected_pattern(c) for c in CASES.values()}
-    assert len(distinct) >= 25
+@pytest.mark.parametrize("case", [c for n, c in CASES.items()
+                                  if n not in ("scale_positional", "unknown_keyword")],
+                         ids=[n for n in CASES if n not in ("scale_positional", "unknown_keyword")])
+def test_op_same_outcome_as_f_sdpa(case):
+    """The op itself (its schema also takes scale and enable_gqa by position)."""
+    same_outcome(outcome(op_call, case), outcome(F_SDPA, case), "torch.ops.openwam.sdpa")
 
 
-# The env settings are read on every call; invalid values raise.
+def test_catalogue_has_both_outcomes():
+    """The catalogue holds calls F.sdpa accepts and calls it rejects, with
+    several distinct exception types: the comparison above is not vacuous."""
+    kinds = [outcome(F_SDPA, c)[0] for c in CASES.values()]
+    assert kinds.count("ok") >= 5
+    errors = {k for k in kinds if k != "ok"}
+    assert {RuntimeError, TypeError} <= errors and len(errors) >= 3
+    assert sum(k != "ok" for k in kinds) >= 25
+
+
+def test_mask_requiring_grad_is_differentiated_as_in_f_sdpa(ow):
+    """F.sdpa differentiates an additive mask; so does the op (the call goes
+    to PyTorch's implementation)."""
+    q, k, v = q_(requires_grad=True), k_(requires_grad=True), v_(requires_grad=True)
+    mask = make_mask("additive", B, H, L, S).requires_grad_()
+    for fn in (F_SDPA, ow.sdpa):
+        out = fn(q, k, v, mask)
+        (dmask,) = torch.autograd.grad(out.sum(), (mask,))
+        torch.testing.assert_close(dmask, torch.autograd.grad(F_SDPA(q, k, v, mask).sum(), (mask,))[0],
+                                   atol=0, rtol=0)
+
+
+def test_error_leaves_backend_switches_alone(ow):
+    """After errors the backend switches are as they were and a valid call works."""
+    def switches():
+        return (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.math_sdp_enabled(),
+                torch.backends.cuda.flash_sdp_enabled(),
+                torch.backends.cuda.mem_efficient_sdp_enabled())
+
+    before = switches()
+    for case in CASES.values():
+        outcome(ow.sdpa, case)
+    assert switches() == before
+    assert ow.sdpa(q_(), k_(), v_()).shape == (B, H, L, E)
+
+
+# --------------------------------------------------------------------------
+# pad_keys: errors of its own (openwam::pad_keys: argument, expected, got)
+# --------------------------------------------------------------------------
+
+
+def pad(ow, k=None, v=None, mask=None, multiple=128):
+    return ow.pad_keys(k_() if k is None else k, v_() if v is None else v, mask, multiple)
+
+
+PAD_CASES = {
+    "multiple_zero": (lambda ow: pad(ow, multiple=0),
+                      "multiple must be a positive integer", "got 0"),
+    "multiple_negative": (lambda ow: pad(ow, multiple=-64),
+                          "multiple must be a positive integer", "got -64"),
+    "value_length": (lambda ow: pad(ow, v=v_(B, H, S + 2, E)),
+                     "value must have the same sequence length as key (6)", "got 8"),
+    "mask_integer": (lambda ow: pad(ow, mask=torch.ones(L, S, dtype=torch.int32)),
+                     "attn_mask must be bool or floating point", "got Int"),
+    "mask_last_dim": (lambda ow: pad(ow, mask=torch.ones(L, S - 1, dtype=torch.bool)),
+                      "attn_mask's last dim must be the key length (6) or 1", "got 5"),
+    "mask_0d": (lambda ow: pad(ow, mask=torch.tensor(True)),
+                "attn_mask must have at least 1 dim", "got 0-D"),
+    "key_1d": (lambda ow: pad(ow, k=k_(S), v=v_(S)),
+               "key must have at least 2 dims [..., S, E]", "got 1-D"),
+    "value_1d": (lambda ow: pad(ow, v=v_(S)),
+                 "value must have at least 2 dims [..., S, Ev]", "got 1-D"),
+    "value_rank": (lambda ow: pad(ow, v=v_(1, B, H, S, E)),
+                   "value must have key's rank (4-D)", "got 5-D"),
+}
+
+
+@pytest.mark.parametrize("case", PAD_CASES.values(), ids=PAD_CASES.keys())
+def test_pad_keys_misuse_raises_clear_error(ow, case):
+    fn, argument, got = case
+    with pytest.raises(RuntimeError, match=re.escape(f"openwam::pad_keys: {argument}") + ".*"
+                       + re.escape(got)) as info:
+        fn(ow)
+    assert "Exception raised from" not in str(info.value)  # one line, no C++ backtrace
+
+
+# --------------------------------------------------------------------------
+# Settings: read once and cached; invalid values raise
+# --------------------------------------------------------------------------
+
 ENV_CASES = [
     ("OPENWAM_SDPA_CUDNN", "yes", "must be unset, '1' or '0'"),
     ("OPENWAM_SDPA_CUDNN", "2", "must be unset, '1' or '0'"),
@@ -150,77 +260,58 @@ ENV_CASES = [
 ]
 
 
-@pytest.mark.parametrize("entry", ["sdpa", "explain"])
 @pytest.mark.parametrize("name,value,expected", ENV_CASES)
-def test_invalid_setting_raises(monkeypatch, entry, name, value, expected):
+def test_invalid_setting_raises_on_reload_and_after(ow, monkeypatch, name, value, expected):
+    """reload_settings() raises, and so does every call until the value is
+    fixed: a bad setting is never silently ignored."""
     monkeypatch.setenv(name, value)
-    fn = ow().sdpa if entry == "sdpa" else ow().explain
-    pattern = re.escape(
-        f"openwam::sdpa: environment variable {name} {expected}, got '{value}'")
+    pattern = re.escape(f"openwam::sdpa: environment variable {name} {expected}, got '{value}'")
     with pytest.raises(RuntimeError, match=pattern):
-        fn(q_(), k_(), v_())
+        ow.reload_settings()
+    for fn in (ow.sdpa, ow.explain):
+        with pytest.raises(RuntimeError, match=pattern):
+            fn(q_(), k_(), v_())
+    monkeypatch.delenv(name)
+    assert ow.sdpa(q_(), k_(), v_()).shape == (B, H, L, E)
 
 
 @pytest.mark.parametrize("name", ["OPENWAM_SDPA_CUDNN", "OPENWAM_SDPA_PAD",
                                   "OPENWAM_SDPA_CHECK_FINITE"])
-def test_setting_is_read_per_call(monkeypatch, name):
-    q, k, v = q_(), k_(), v_()
-    ow().sdpa(q, k, v)
+def test_settings_are_cached_until_reload(ow, monkeypatch, name):
+    """The environment is read once, not on every call (host time): a change
+    takes effect at reload_settings()."""
+    before = ow.settings()
     monkeypatch.setenv(name, "bogus")
+    assert ow.settings() == before
+    ow.sdpa(q_(), k_(), v_())  # still the cached, valid settings
     with pytest.raises(RuntimeError, match=name):
-        ow().sdpa(q, k, v)
-    monkeypatch.delenv(name)
-    ow().sdpa(q, k, v)
+        ow.reload_settings()
 
 
-@pytest.mark.parametrize("name,value", [
-    ("OPENWAM_SDPA_CUDNN", ""), ("OPENWAM_SDPA_CUDNN", "0"), ("OPENWAM_SDPA_CUDNN", "1"),
-    ("OPENWAM_SDPA_PAD", ""), ("OPENWAM_SDPA_PAD", "auto"), ("OPENWAM_SDPA_PAD", "never"),
-    ("OPENWAM_SDPA_PAD", "always"),
-    ("OPENWAM_SDPA_CHECK_FINITE", ""), ("OPENWAM_SDPA_CHECK_FINITE", "0"),
-    ("OPENWAM_SDPA_CHECK_FINITE", "1"),
+@pytest.mark.parametrize("name,value,key,expected", [
+    ("OPENWAM_SDPA_CUDNN", "", "cudnn", "follow_pytorch"),
+    ("OPENWAM_SDPA_CUDNN", "0", "cudnn", "never"),
+    ("OPENWAM_SDPA_CUDNN", "1", "cudnn", "prefer"),
+    ("OPENWAM_SDPA_PAD", "", "pad", "auto"),
+    ("OPENWAM_SDPA_PAD", "auto", "pad", "auto"),
+    ("OPENWAM_SDPA_PAD", "never", "pad", "never"),
+    ("OPENWAM_SDPA_PAD", "always", "pad", "always"),
+    ("OPENWAM_SDPA_CHECK_FINITE", "", "check_finite", False),
+    ("OPENWAM_SDPA_CHECK_FINITE", "0", "check_finite", False),
+    ("OPENWAM_SDPA_CHECK_FINITE", "1", "check_finite", True),
 ])
-def test_valid_settings_are_accepted(monkeypatch, name, value):
+def test_valid_settings_are_accepted(ow, monkeypatch, name, value, key, expected):
     monkeypatch.setenv(name, value)
-    out = ow().sdpa(q_(), k_(), v_())
+    assert ow.reload_settings()[key] == expected
+    assert ow.settings()[key] == expected
+    out = ow.sdpa(q_(), k_(), v_())
     assert out.shape == (B, H, L, E)
 
 
-def test_invalid_setting_does_not_affect_pad_keys(monkeypatch):
-    """pad_keys takes no setting: it must keep working."""
+def test_invalid_setting_does_not_affect_pad_keys(ow, monkeypatch):
+    """pad_keys takes no setting: it keeps working."""
     monkeypatch.setenv("OPENWAM_SDPA_PAD", "bogus")
-    kp, _, _ = pad()
+    with pytest.raises(RuntimeError):
+        ow.reload_settings()
+    kp, _, _ = pad(ow)
     assert kp.shape == (B, H, 128, E)
-
-
-@pytest.mark.parametrize("shape", [(), (S,)], ids=["0-D", "1-D"])
-def test_mask_below_2d_raises_clear_error(shape):
-    """F.sdpa rejects a 0-D / 1-D mask (with an IndexError from deep inside
-    its backend selection); validate_inputs promises a clear error for every
-    input F.sdpa rejects, naming the op and the argument."""
-    mask = torch.ones(shape, dtype=torch.bool)
-    got = f"{len(shape)}-D"
-    with pytest.raises(RuntimeError, match=rf"openwam::sdpa: attn_mask.*{got}"):
-        sdpa(mask=mask)
-
-
-def test_mask_that_requires_grad_is_rejected_even_without_grad_mode():
-    mask = make_mask("additive", B, H, L, S).requires_grad_()
-    with torch.no_grad():
-        with pytest.raises(RuntimeError, match="openwam::sdpa: attn_mask must not require grad"):
-            sdpa(mask=mask)
-
-
-def test_error_leaves_state_usable():
-    """After an error the next valid call works (no leaked backend flags)."""
-    before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.math_sdp_enabled(),
-              torch.backends.cuda.flash_sdp_enabled(),
-              torch.backends.cuda.mem_efficient_sdp_enabled())
-    for case in list(CASES.values())[:10]:
-        with pytest.raises(RuntimeError):
-            case.call()
-    after = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.math_sdp_enabled(),
-             torch.backends.cuda.flash_sdp_enabled(),
-             torch.backends.cuda.mem_efficient_sdp_enabled())
-    assert before == after
-    assert sdpa().shape == (B, H, L, E)

@@ -3,9 +3,7 @@
 Attention over pad_keys(key, value, mask) must equal attention over the
 unpadded inputs (outputs and dQ/dK/dV), the padded keys must get exactly zero
 gradient, and the physical layout of the inputs (BSHD storage, stride-0
-broadcast axes, key-only masks) must survive the padding. Then the same
-through the op: OPENWAM_SDPA_PAD=always runs PyTorch's kernel on padded inputs
-(plan "pad_inputs") and must still give what F.sdpa gives.
+broadcast axes, key-only masks) must survive the padding.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from conftest import (
+from support import (
     assert_close,
     expanded_heads,
     fused_qkv,
@@ -309,96 +307,22 @@ def test_pad_keys_gradcheck(ow, with_mask):
 
 
 # --------------------------------------------------------------------------
-# Through the op: OPENWAM_SDPA_PAD=always runs PyTorch's kernel on padded keys
+# Through the op on CPU: the pad setting concerns the cuDNN path only
 # --------------------------------------------------------------------------
-
-OP_CASES = {
-    # name: (q/k/v shapes..., mask kind, kwargs)
-    "none": dict(mask="none"),
-    "bool": dict(mask="bool"),
-    "additive": dict(mask="additive"),
-    "key_bool": dict(mask="key_bool"),
-    "rank2": dict(mask="bool", rank=2),
-    "key_broadcast": dict(mask="key_broadcast"),
-    "causal_sq_lt_skv": dict(mask="none", is_causal=True, L=5, S=9),
-    "causal_sq_gt_skv": dict(mask="none", is_causal=True, L=12, S=7),
-    "gqa": dict(mask="bool", Hq=4, Hkv=2, enable_gqa=True),
-    "scale": dict(mask="additive", scale=0.3),
-    "bshd": dict(mask="bool", layout="bshd"),
-}
-
-
-def op_inputs(case):
-    c = dict(case)
-    Hq, Hkv = c.pop("Hq", H), c.pop("Hkv", None)
-    Lq, S = c.pop("L", L), c.pop("S", 11)
-    layout = c.pop("layout", "bhsd")
-    kind, rank = c.pop("mask"), c.pop("rank", 4)
-    q, k, v = qkv(B, Hq, Lq, S, E, Hkv=Hkv, layout=layout, requires_grad=True)
-    mask = make_mask(kind, B, Hq, Lq, S, rank=rank)
-    return (q, k, v), mask, c
+# (The plans that pad, carried out by the cuDNN path's leaf ops, are tested on
+# the CPU in test_cudnn_path_cpu.py.)
 
 
 @pytest.mark.parametrize("pad", ["always", "never", "auto"])
-@pytest.mark.parametrize("case", OP_CASES.values(), ids=OP_CASES.keys())
-def test_op_with_pad_setting_matches_f_sdpa(ow, settings, pad, case):
+def test_cpu_calls_ignore_the_pad_setting(ow, settings, pad):
     settings(pad=pad)
-    (q, k, v), mask, kw = op_inputs(case)
-    info = ow.explain(q, k, v, mask, **kw)
-    assert info["backend"] == "pytorch"
-    assert info["setting_pad"] == pad
-    assert info["plan"] == ("pad_inputs" if pad == "always" else "none")
-
-    ref = F.scaled_dot_product_attention(q, k, v, mask, **kw)
-    ref_g = grads(ref, (q, k, v))
-    out = ow.sdpa(q, k, v, mask, **kw)
-    g = grads(out, (q, k, v))
-    assert out.shape == ref.shape
-    assert_close(out, ref, TOL, what="output")
-    for name, a, b, x in zip(("dq", "dk", "dv"), g, ref_g, (q, k, v)):
-        assert a.shape == x.shape  # dK/dV at the caller's key length
-        assert_close(a, b, TOL, what=name)
-
-
-def test_op_pad_always_3d(ow, settings):
-    settings(pad="always")
-    q = randn(3, 4, E, requires_grad=True)
-    k = randn(3, 10, E, seed=1, requires_grad=True)
-    v = randn(3, 10, E, seed=2, requires_grad=True)
-    for mask, causal in ((None, False), (None, True), (make_mask("bool", 3, 1, 4, 10)[:, 0], False)):
-        assert ow.explain(q, k, v, mask, is_causal=causal)["plan"] == "pad_inputs"
-        out = ow.sdpa(q, k, v, mask, is_causal=causal)
-        ref = F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal)
-        assert out.dim() == 3
-        assert_close(out, ref, TOL, what="output")
-        for a, b in zip(grads(out, (q, k, v)), grads(ref, (q, k, v))):
-            assert_close(a, b, TOL, what="grad")
-
-
-def test_op_pad_always_fully_masked_rows(ow, settings):
-    settings(pad="always")
     q, k, v = qkv(B, H, L, 11, E, requires_grad=True)
     mask = make_mask("bool", B, H, L, 11, empty_rows=(1,))
+    info = ow.explain(q, k, v, mask)
+    assert info["route"] == "pytorch" and info["plan"] == "none"
+    assert info["settings"]["pad"] == pad
     out = ow.sdpa(q, k, v, mask)
-    ref = reference_attention(q, k, v, mask)
-    assert_close(out, ref, TOL, what="output")
-    assert torch.count_nonzero(out[..., 1, :]) == 0
-    dq = grads(out, (q,))[0]
-    assert torch.count_nonzero(dq[..., 1, :]) == 0
-
-
-@pytest.mark.parametrize("s_kv", [128, 256])
-def test_op_pad_always_aligned_keys_need_no_padding(ow, settings, s_kv):
-    settings(pad="always")
-    q, k, v = qkv(1, 2, 3, s_kv, E, requires_grad=True)
-    assert ow.explain(q, k, v)["plan"] == "none"
-
-
-def test_op_pad_always_only_when_differentiated(ow, settings):
-    settings(pad="always")
-    q, k, v = qkv(1, 2, 3, 9, E)
-    assert ow.explain(q, k, v)["plan"] == "none"
-    q.requires_grad_()
-    assert ow.explain(q, k, v)["plan"] == "pad_inputs"
-    with torch.no_grad():
-        assert ow.explain(q, k, v)["plan"] == "none"
+    ref = F.scaled_dot_product_attention(q, k, v, mask)
+    assert torch.equal(out, ref)
+    for a, b in zip(grads(out, (q, k, v)), grads(ref, (q, k, v))):
+        assert torch.equal(a, b)

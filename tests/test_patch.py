@@ -11,19 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import F_SDPA, grads, make_mask, qkv
+from support import F_SDPA, grads, make_mask, qkv
+
+pytestmark = pytest.mark.usefixtures("unpatched")
 
 B, H, L, S, E = 2, 2, 5, 7, 8
-
-
-@pytest.fixture
-def ow():
-    import openwam_sdpa
-
-    openwam_sdpa.unpatch()
-    yield openwam_sdpa
-    openwam_sdpa.unpatch()
-    assert F.scaled_dot_product_attention is F_SDPA
 
 
 @pytest.fixture
@@ -69,16 +61,33 @@ def test_patch_and_unpatch(ow, op_calls):
     assert len(op_calls) == 1
 
 
-def test_patched_routes_through_the_op(ow, settings):
-    """Without any monkeypatching: an invalid setting makes the op (and only
-    the op) raise, so a raise proves the call reached it."""
+def test_patched_routes_through_the_op(ow):
+    """Without any monkeypatching: the profiler sees openwam::sdpa only when
+    the call goes through the patch."""
     q, k, v = qkv(B, H, L, S, E)
-    settings(pad="bogus")
-    F.scaled_dot_product_attention(q, k, v)  # stock: ignores the setting
-    with ow.patched():
-        with pytest.raises(RuntimeError, match="openwam::sdpa: environment variable OPENWAM_SDPA_PAD"):
+
+    def ops_seen():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             F.scaled_dot_product_attention(q, k, v)
-    F.scaled_dot_product_attention(q, k, v)
+        return {e.key for e in prof.key_averages()}
+
+    assert "openwam::sdpa" not in ops_seen()
+    with ow.patch():
+        assert "openwam::sdpa" in ops_seen()
+    assert "openwam::sdpa" not in ops_seen()
+
+
+def test_patch_is_a_call_and_a_context_manager(ow):
+    ow.patch()
+    assert ow.is_patched()
+    ow.unpatch()
+    with ow.patch() as p:
+        assert ow.is_patched() and p is not None
+    assert not ow.is_patched()
+    ow.patch()
+    with ow.patch():
+        pass
+    assert ow.is_patched()  # an outer plain patch() survives the block
 
 
 def test_patched_keyword_arguments(ow, op_calls):
@@ -117,27 +126,75 @@ def test_patched_keeps_an_outer_patch(ow):
     assert ow.is_patched()
 
 
-def test_mask_requiring_grad_goes_to_original(ow, op_calls):
+def test_mask_requiring_grad_is_differentiated(ow, op_calls):
+    """A learned bias needs its gradient: the op hands such a call to
+    PyTorch's implementation, which differentiates the mask."""
     q, k, v = qkv(B, H, L, S, E, requires_grad=True)
     bias = make_mask("additive", B, H, L, S).requires_grad_()
     ref = F_SDPA(q, k, v, bias)
     with ow.patched():
         out = F.scaled_dot_product_attention(q, k, v, bias)
-    assert op_calls == []
-    torch.testing.assert_close(out, ref, atol=0, rtol=0)
-    (dbias,) = grads(out, (bias,))
-    assert dbias is not None and dbias.shape == bias.shape
-    # The same mask without requires_grad does go to the op.
-    with ow.patched():
-        F.scaled_dot_product_attention(q, k, v, bias.detach())
     assert len(op_calls) == 1
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    for a, b in zip(grads(out, (q, k, v, bias)), grads(ref, (q, k, v, bias))):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-def test_op_errors_surface_through_patch(ow):
+def test_errors_through_patch_are_pytorchs(ow):
     q, k, v = qkv(B, H, L, S, E)
+    with pytest.raises(RuntimeError) as stock:
+        F_SDPA(q, k.float(), v)
     with ow.patched():
-        with pytest.raises(RuntimeError, match=r"openwam::sdpa: scale must be a positive"):
-            F.scaled_dot_product_attention(q, k, v, scale=-1.0)
+        with pytest.raises(RuntimeError) as patched:
+            F.scaled_dot_product_attention(q, k.float(), v)
+    assert str(patched.value) == str(stock.value)
+
+
+def test_nested_tensors_go_to_pytorch(ow):
+    """Nested (jagged) tensors carry their own F.sdpa handling: the patched
+    function hands them over untouched."""
+    torch.manual_seed(0)
+    lengths = (3, 5)
+    parts = [torch.randn(n, H, E) for n in lengths]
+
+    def nested():
+        return torch.nested.nested_tensor(parts, layout=torch.jagged).transpose(1, 2)
+
+    ref = F_SDPA(nested(), nested(), nested())
+    with ow.patched():
+        out = F.scaled_dot_product_attention(nested(), nested(), nested())
+    for a, b in zip(out.transpose(1, 2).unbind(), ref.transpose(1, 2).unbind()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_causal_bias_goes_to_pytorch(ow):
+    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+    q, k, v = qkv(B, H, L, S, E, dtype=torch.float32)
+    for make in (causal_upper_left, causal_lower_right):
+        bias = make(L, S)
+        ref = F_SDPA(q, k, v, bias)
+        with ow.patched():
+            out = F.scaled_dot_product_attention(q, k, v, bias)
+        torch.testing.assert_close(out, ref, atol=0, rtol=0)
+
+
+def test_torchscript_compiles_the_patched_function_to_the_op(ow):
+    """torch.jit.script resolves F.scaled_dot_product_attention when it
+    compiles; patched, it compiles to openwam::sdpa, whose schema is F.sdpa's.
+    (TorchScript caches what it compiled: a function scripted while patched
+    keeps calling the op after unpatch(), with the same results.)"""
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 4, batch_first=True, dtype=torch.float64).eval()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    ref, _ = mha(x, x, x, need_weights=False)
+    with ow.patched():
+        scripted = torch.jit.script(torch.nn.MultiheadAttention(16, 4, batch_first=True,
+                                                                dtype=torch.float64).eval())
+        scripted.load_state_dict(mha.state_dict())
+        out, _ = scripted(x, x, x, need_weights=False)
+    assert "openwam::sdpa" in str(scripted.inlined_graph)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("masks", ["none", "attn_mask", "key_padding_mask", "causal"])
@@ -226,3 +283,38 @@ def test_tiny_llama_same_logits(ow, op_calls):
     torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=1e-5)
     for (name, p), p_ref in zip(ours.named_parameters(), stock.parameters()):
         torch.testing.assert_close(p.grad, p_ref.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+def test_context_parallel_bypass_raises(ow, monkeypatch):
+    """context_parallel (monkey-patch mode) turns only F.sdpa into ring
+    attention; a direct call of the op on plain tensors, or patch() inside the
+    context (what attn_implementation="openwam_sdpa" does per call), would
+    attend within one rank's chunk: both raise, naming the way out. Measured
+    on two H200s before this check: wrong values, no error."""
+    import importlib
+
+    from openwam_sdpa.ops import _CONTEXT_PARALLEL_MODULES
+
+    for name in _CONTEXT_PARALLEL_MODULES:  # its path moved between torch releases
+        try:
+            cp = importlib.import_module(name)
+            break
+        except ImportError:
+            continue
+    else:
+        pytest.skip("this torch has no context_parallel module at a known path")
+    pytorch_sdpa = F.scaled_dot_product_attention
+
+    def ring_stand_in(*args, **kwargs):
+        return pytorch_sdpa(*args, **kwargs)
+
+    monkeypatch.setitem(cp._replaced_functions, ring_stand_in,
+                        ("scaled_dot_product_attention", pytorch_sdpa))
+    monkeypatch.setattr(F, "scaled_dot_product_attention", ring_stand_in)
+    q, k, v = qkv(B, H, L, S, E)
+    with pytest.raises(NotImplementedError, match="context_parallel is active"):
+        ow.sdpa(q, k, v)
+    with pytest.raises(NotImplementedError, match="patch\\(\\) before entering context_parallel"):
+        ow.patch()
+    assert F.scaled_dot_product_attention is ring_stand_in  # patch() left it alone

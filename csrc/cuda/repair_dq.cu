@@ -1,278 +1,195 @@
-// CUDA kernel of openwam::_repair_dq_ (see repair_dq.h for the why).
+// Host side of the dQ-row repair (repair_dq.h): checks, workspace and the two
+// launches of repair_dq_rows (openwam::_repair_dq_ calls it: repair_dq.cpp).
 //
-// One thread per query row reads logsumexp; a warp whose 32 rows hold one
-// below the threshold recomputes each such row in fp32, the lanes splitting
-// head_dim (lane l holds elements l, l + 32, ...), keys walked in groups of
-// kKeysInFlight to keep several loads in flight. Nothing synchronises with the
-// host, so the op is capturable in a CUDA graph.
+//   1. repair_scan_kernel (repair_dq_scan.cuh), one block per (b, h): zeros
+//      the -inf rows, lists the rows below the threshold, counts them.
+//   2. repair_tile_kernel (repair_dq_tile.cuh, launched from
+//      repair_dq_tile_{bf16,fp16}.cu), a persistent grid: recomputes the
+//      listed rows, 64 at a time, on tensor cores.
+// Which rows need work is known only on the GPU; the host never waits for it,
+// so the op stays capturable in a CUDA graph. The workspace is 8 bytes per
+// query row (the row list) plus an int per head, from PyTorch's caching
+// allocator; both kernels overwrite what they read, so nothing is cleared.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
-#include <torch/library.h>
+#include <c10/cuda/CUDAGuard.h>
 
-#include <cmath>
-#include <initializer_list>
+#include <cstdint>
+#include <limits>
 
 #include "../repair_dq.h"
+#include "repair_dq_layout.cuh"
+#include "repair_dq_scan.cuh"
+#include "repair_dq_tile_launch.cuh"
 
 namespace openwam {
 namespace {
 
-constexpr int kRowsPerBlock = 128;
-constexpr int kWarp = 32;
-constexpr int kKeysInFlight = 4;
+using repair::RowEntry;
+using repair::RowStrides;
+using repair::TileParams;
 
-struct Strides4 {
-  int64_t b, h, s, e;
-};
+constexpr const char* kOp = "openwam::repair_dq_rows";
 
-Strides4 strides_of(const at::Tensor& t) {
-  return {t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
+// Strides of dims 0..2 are multiples of `elements` (size-1 dims, whose
+// stride is never used, excepted) and the data starts `elements * 2`-byte
+// aligned: rows can be moved in chunks of that many 16-bit elements.
+bool rows_aligned(const at::Tensor& t, int64_t elements) {
+  if (reinterpret_cast<uintptr_t>(t.const_data_ptr()) % (elements * 2) != 0) return false;
+  for (int d = 0; d < 3; ++d) {
+    if (t.size(d) > 1 && t.stride(d) % elements != 0) return false;
+  }
+  return true;
 }
 
-template <typename scalar_t>
-struct RepairParams {
-  const scalar_t* q;
-  const scalar_t* k;
-  const scalar_t* v;
-  const scalar_t* o;
-  const scalar_t* go;
-  const float* lse;
-  const scalar_t* bias;  // nullptr: no bias
-  scalar_t* dq;
-  Strides4 sq, sk, sv, so, sgo, sdq, sbias, slse;
-  int64_t batch, heads, heads_per_kv, s_q, s_kv, head_dim;
-  float scale;
-  float threshold;
-  bool causal;
-};
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-    x += __shfl_xor_sync(0xffffffffu, x, offset);
-  }
-  return x;
+RowStrides row_strides(const at::Tensor& t) {
+  return {t.stride(0), t.stride(1), t.stride(2)};
 }
 
-// Lane `lane` holds elements lane + 32 * t of a head_dim-long row.
-template <typename scalar_t, int kPerLane>
-__device__ __forceinline__ void load_row(const scalar_t* row, int64_t head_dim,
-                                         int lane, float (&dst)[kPerLane]) {
-#pragma unroll
-  for (int t = 0; t < kPerLane; ++t) {
-    const int64_t e = lane + kWarp * t;
-    dst[t] = e < head_dim ? static_cast<float>(row[e]) : 0.0f;
-  }
+const uint16_t* bits(const at::Tensor& t) {
+  return static_cast<const uint16_t*>(t.const_data_ptr());
 }
 
-template <typename scalar_t, int kPerLane>
-__device__ void repair_row(const RepairParams<scalar_t>& p, int64_t row, int lane) {
-  const int64_t i = row % p.s_q;
-  const int64_t h = (row / p.s_q) % p.heads;
-  const int64_t b = row / (p.s_q * p.heads);
-  const int64_t hk = h / p.heads_per_kv;
-  const float lse = p.lse[b * p.slse.b + h * p.slse.h + i * p.slse.s];
-  scalar_t* dq_row = p.dq + b * p.sdq.b + h * p.sdq.h + i * p.sdq.s;
-
-  float acc[kPerLane];
-#pragma unroll
-  for (int t = 0; t < kPerLane; ++t) acc[t] = 0.0f;
-
-  // lse = -inf: every key is masked; the row's output and gradient are 0.
-  if (lse != -INFINITY) {
-    float q[kPerLane], go[kPerLane], o[kPerLane];
-    load_row<scalar_t, kPerLane>(p.q + b * p.sq.b + h * p.sq.h + i * p.sq.s, p.head_dim, lane, q);
-    load_row<scalar_t, kPerLane>(p.go + b * p.sgo.b + h * p.sgo.h + i * p.sgo.s, p.head_dim, lane, go);
-    load_row<scalar_t, kPerLane>(p.o + b * p.so.b + h * p.so.h + i * p.so.s, p.head_dim, lane, o);
-    float d_partial = 0.0f;
-#pragma unroll
-    for (int t = 0; t < kPerLane; ++t) d_partial += go[t] * o[t];
-    const float delta = warp_sum(d_partial);  // dO_i . o_i
-
-    const scalar_t* k_base = p.k + b * p.sk.b + hk * p.sk.h;
-    const scalar_t* v_base = p.v + b * p.sv.b + hk * p.sv.h;
-    const scalar_t* bias_row =
-        p.bias == nullptr ? nullptr : p.bias + b * p.sbias.b + h * p.sbias.h + i * p.sbias.s;
-    // Top-left causal alignment, as F.sdpa's is_causal: key j <= row i.
-    const int64_t end = p.causal ? min(p.s_kv, i + 1) : p.s_kv;
-
-    for (int64_t j0 = 0; j0 < end; j0 += kKeysInFlight) {
-      float kk[kKeysInFlight][kPerLane], vv[kKeysInFlight][kPerLane];
-      float s_part[kKeysInFlight], dp_part[kKeysInFlight], bias_j[kKeysInFlight];
-#pragma unroll
-      for (int u = 0; u < kKeysInFlight; ++u) {
-        const int64_t j = j0 + u;
-        const bool valid = j < end;
-        bias_j[u] = !valid ? -INFINITY
-                           : (bias_row == nullptr ? 0.0f
-                                                  : static_cast<float>(bias_row[j * p.sbias.e]));
-        const bool live = valid && bias_j[u] != -INFINITY;
-#pragma unroll
-        for (int t = 0; t < kPerLane; ++t) {
-          const int64_t e = lane + kWarp * t;
-          const bool in = live && e < p.head_dim;
-          kk[u][t] = in ? static_cast<float>(k_base[j * p.sk.s + e]) : 0.0f;
-          vv[u][t] = in ? static_cast<float>(v_base[j * p.sv.s + e]) : 0.0f;
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kKeysInFlight; ++u) {
-        float s = 0.0f, dp = 0.0f;
-#pragma unroll
-        for (int t = 0; t < kPerLane; ++t) {
-          s += q[t] * kk[u][t];
-          dp += go[t] * vv[u][t];
-        }
-        s_part[u] = s;
-        dp_part[u] = dp;
-      }
-#pragma unroll
-      for (int u = 0; u < kKeysInFlight; ++u) {
-        const float s = warp_sum(s_part[u]);
-        const float dp = warp_sum(dp_part[u]);
-        if (bias_j[u] == -INFINITY) continue;  // masked or past the end
-        const float prob = __expf(s * p.scale + bias_j[u] - lse);
-        const float ds = prob * (dp - delta);
-#pragma unroll
-        for (int t = 0; t < kPerLane; ++t) acc[t] += ds * kk[u][t];
-      }
-    }
+void check_inputs(const at::Tensor& grad_query, const at::Tensor& grad_out,
+                  const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                  const at::Tensor& out, const at::Tensor& logsumexp, const at::Tensor& bias) {
+  TORCH_CHECK(query.scalar_type() == at::kHalf || query.scalar_type() == at::kBFloat16, kOp,
+              ": expected float16 or bfloat16 query, got ", query.scalar_type());
+  const std::pair<const char*, const at::Tensor*> tensors[] = {
+      {"grad_query", &grad_query}, {"grad_out", &grad_out}, {"query", &query},
+      {"key", &key},               {"value", &value},       {"out", &out}};
+  for (const auto& [name, t] : tensors) {
+    TORCH_CHECK(t->dim() == 4, kOp, ": ", name, " must be 4-D [B, H, S, D], got ", t->dim(),
+                "-D");
+    TORCH_CHECK(t->is_cuda() && t->device() == query.device(), kOp, ": ", name,
+                " must be on ", query.device(), ", got ", t->device());
+    TORCH_CHECK(t->scalar_type() == query.scalar_type(), kOp, ": ", name, " must be ",
+                query.scalar_type(), " like query, got ", t->scalar_type());
+    TORCH_CHECK(t->stride(3) == 1 || t->size(3) <= 1, kOp, ": ", name,
+                " must have a contiguous last dimension, got stride ", t->stride(3));
   }
-#pragma unroll
-  for (int t = 0; t < kPerLane; ++t) {
-    const int64_t e = lane + kWarp * t;
-    if (e < p.head_dim) dq_row[e * p.sdq.e] = static_cast<scalar_t>(acc[t] * p.scale);
+  const int64_t B = query.size(0), H = query.size(1), s_q = query.size(2), D = value.size(3);
+  TORCH_CHECK(D % 8 == 0 && D <= 256, kOp, ": head_dim must be a multiple of 8 up to 256, got ",
+              D);
+  TORCH_CHECK(query.size(3) == D && key.size(3) == D, kOp,
+              ": query, key and value must share head_dim (", D, "), got ", query.size(3),
+              " and ", key.size(3));
+  TORCH_CHECK(grad_query.sizes() == query.sizes() && grad_out.sizes() == query.sizes() &&
+                  out.sizes() == query.sizes(),
+              kOp, ": grad_query, grad_out and out must have query's shape ", query.sizes());
+  TORCH_CHECK(key.size(0) == B && value.sizes() == key.sizes(), kOp,
+              ": key and value must be [", B, ", Hkv, S_kv, ", D, "], got ", key.sizes(), " and ",
+              value.sizes());
+  TORCH_CHECK(key.size(1) > 0 && H % key.size(1) == 0, kOp,
+              ": query heads must be a multiple of key heads, got ", H, " and ", key.size(1));
+  TORCH_CHECK(key.size(2) <= std::numeric_limits<int32_t>::max() &&
+                  s_q <= std::numeric_limits<int32_t>::max(),
+              kOp, ": sequence lengths must fit in int32");
+  TORCH_CHECK(logsumexp.scalar_type() == at::kFloat && logsumexp.is_cuda() &&
+                  logsumexp.device() == query.device() &&
+                  (logsumexp.dim() == 3 || (logsumexp.dim() == 4 && logsumexp.size(3) == 1)) &&
+                  logsumexp.size(0) == B && logsumexp.size(1) == H && logsumexp.size(2) == s_q,
+              kOp, ": logsumexp must be float32 [", B, ", ", H, ", ", s_q, "(, 1)] on ",
+              query.device(), ", got ", logsumexp.scalar_type(), " ", logsumexp.sizes(), " on ",
+              logsumexp.device());
+  if (bias.defined()) {
+    TORCH_CHECK(bias.scalar_type() == query.scalar_type() && bias.device() == query.device(),
+                kOp, ": attn_bias must be additive, ", query.scalar_type(), " on ",
+                query.device(), ", got ", bias.scalar_type(), " on ", bias.device());
+    TORCH_CHECK(bias.dim() == 4, kOp, ": attn_bias must be 4-D, got ", bias.dim(), "-D");
   }
-}
-
-template <typename scalar_t, int kPerLane>
-__global__ void __launch_bounds__(kRowsPerBlock)
-    repair_dq_kernel(const RepairParams<scalar_t> p) {
-  const int64_t rows = p.batch * p.heads * p.s_q;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x;
-  const int lane = threadIdx.x % kWarp;
-  bool flagged = false;
-  if (row < rows) {
-    const int64_t i = row % p.s_q;
-    const int64_t h = (row / p.s_q) % p.heads;
-    const int64_t b = row / (p.s_q * p.heads);
-    flagged = p.lse[b * p.slse.b + h * p.slse.h + i * p.slse.s] < p.threshold;
-  }
-  unsigned pending = __ballot_sync(0xffffffffu, flagged);
-  const int64_t warp_first_row = row - lane;
-  while (pending != 0u) {
-    const int src = __ffs(pending) - 1;
-    pending &= pending - 1u;
-    repair_row<scalar_t, kPerLane>(p, warp_first_row + src, lane);
-  }
-}
-
-template <typename scalar_t>
-void launch(const RepairParams<scalar_t>& p, int64_t rows, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock));
-  const int per_lane = static_cast<int>((p.head_dim + kWarp - 1) / kWarp);
-  switch (per_lane) {
-#define OPENWAM_REPAIR_CASE(N) \
-  case N: repair_dq_kernel<scalar_t, N><<<grid, kRowsPerBlock, 0, stream>>>(p); break;
-    OPENWAM_REPAIR_CASE(1)
-    OPENWAM_REPAIR_CASE(2)
-    OPENWAM_REPAIR_CASE(3)
-    OPENWAM_REPAIR_CASE(4)
-    OPENWAM_REPAIR_CASE(5)
-    OPENWAM_REPAIR_CASE(6)
-    OPENWAM_REPAIR_CASE(7)
-    OPENWAM_REPAIR_CASE(8)
-#undef OPENWAM_REPAIR_CASE
-    default:
-      TORCH_INTERNAL_ASSERT(false, "repair_dq: head_dim ", p.head_dim, " over 256");
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <typename scalar_t>
-void repair_typed(at::Tensor& grad_query, const at::Tensor& grad_out,
-                  const at::Tensor& query, const at::Tensor& key,
-                  const at::Tensor& value, const at::Tensor& out,
-                  const at::Tensor& logsumexp, const at::Tensor& bias,
-                  bool is_causal, double scale) {
-  RepairParams<scalar_t> p{};
-  p.q = query.const_data_ptr<scalar_t>();
-  p.k = key.const_data_ptr<scalar_t>();
-  p.v = value.const_data_ptr<scalar_t>();
-  p.o = out.const_data_ptr<scalar_t>();
-  p.go = grad_out.const_data_ptr<scalar_t>();
-  p.lse = logsumexp.const_data_ptr<float>();
-  p.bias = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
-  p.dq = grad_query.mutable_data_ptr<scalar_t>();
-  p.sq = strides_of(query);
-  p.sk = strides_of(key);
-  p.sv = strides_of(value);
-  p.so = strides_of(out);
-  p.sgo = strides_of(grad_out);
-  p.sdq = strides_of(grad_query);
-  p.sbias = bias.defined() ? strides_of(bias) : Strides4{0, 0, 0, 0};
-  p.slse = {logsumexp.stride(0), logsumexp.stride(1), logsumexp.stride(2), 0};
-  p.batch = query.size(0);
-  p.heads = query.size(1);
-  p.heads_per_kv = query.size(1) / key.size(1);
-  p.s_q = query.size(2);
-  p.s_kv = key.size(2);
-  p.head_dim = query.size(3);
-  p.scale = static_cast<float>(scale);
-  p.threshold = kRepairLseThreshold;
-  p.causal = is_causal;
-  launch<scalar_t>(p, p.batch * p.heads * p.s_q,
-                   at::cuda::getCurrentCUDAStream(query.device().index()));
-}
-
-void repair_dq_cuda(at::Tensor& grad_query, const at::Tensor& grad_out,
-                    const at::Tensor& query, const at::Tensor& key,
-                    const at::Tensor& value, const at::Tensor& out,
-                    const at::Tensor& logsumexp,
-                    const std::optional<at::Tensor>& attn_bias, bool is_causal,
-                    double scale) {
-  constexpr const char* kOp = "openwam::_repair_dq_";
-  const at::Tensor* tensors[] = {&grad_query, &grad_out, &query, &key, &value, &out};
-  for (const at::Tensor* t : tensors) {
-    TORCH_CHECK(t->dim() == 4 && t->is_cuda() && t->scalar_type() == query.scalar_type(),
-                kOp, ": expected 4-D CUDA tensors of query's dtype");
-  }
-  TORCH_CHECK(query.scalar_type() == at::kHalf || query.scalar_type() == at::kBFloat16,
-              kOp, ": expected float16 or bfloat16, got ", query.scalar_type());
-  TORCH_CHECK(logsumexp.scalar_type() == at::kFloat && logsumexp.dim() >= 3, kOp,
-              ": logsumexp must be float32 [B, H, L(, 1)], got ", logsumexp.scalar_type(),
-              " ", logsumexp.sizes());
-  const int64_t batch = query.size(0), heads = query.size(1), s_q = query.size(2);
-  const int64_t head_dim = query.size(3), s_kv = key.size(2);
-  TORCH_CHECK(head_dim <= 256 && value.size(3) == head_dim, kOp,
-              ": head_dim must be <= 256 and equal for query and value");
-  TORCH_CHECK(key.size(1) > 0 && heads % key.size(1) == 0, kOp,
-              ": query heads must be a multiple of key heads");
-  if (grad_query.numel() == 0) return;
-
-  const c10::cuda::CUDAGuard device_guard(query.device());
-  at::Tensor bias;
-  if (attn_bias.has_value() && attn_bias->defined()) {
-    TORCH_CHECK(attn_bias->scalar_type() == query.scalar_type(), kOp,
-                ": attn_bias must have query's dtype");
-    bias = attn_bias->expand({batch, heads, s_q, s_kv});
-  }
-  AT_DISPATCH_SWITCH(query.scalar_type(), kOp,
-      AT_DISPATCH_CASE(at::kHalf, [&] {
-        repair_typed<scalar_t>(grad_query, grad_out, query, key, value, out,
-                               logsumexp, bias, is_causal, scale);
-      })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        repair_typed<scalar_t>(grad_query, grad_out, query, key, value, out,
-                               logsumexp, bias, is_causal, scale);
-      }));
 }
 
 }  // namespace
-}  // namespace openwam
 
-TORCH_LIBRARY_IMPL(openwam, CUDA, m) {
-  m.impl("_repair_dq_", &openwam::repair_dq_cuda);
+void repair_dq_rows(at::Tensor& grad_query, const at::Tensor& grad_out, const at::Tensor& query,
+                    const at::Tensor& key, const at::Tensor& value, const at::Tensor& out,
+                    const at::Tensor& logsumexp, const at::Tensor& bias, bool is_causal,
+                    double scale, int64_t* repaired_rows) {
+  check_inputs(grad_query, grad_out, query, key, value, out, logsumexp, bias);
+  const int64_t B = query.size(0), H = query.size(1), s_q = query.size(2);
+  const int64_t s_kv = key.size(2);
+  const int head_dim = static_cast<int>(value.size(3));
+  if (grad_query.numel() == 0) return;
+  const int64_t heads = B * H;
+  TORCH_CHECK(heads <= std::numeric_limits<int32_t>::max(), kOp, ": B * H must fit in int32");
+
+  const c10::cuda::CUDAGuard device_guard(query.device());
+  const int device = query.device().index();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device);
+
+  // counts[heads] (padded to 8 bytes), then the row lists [heads, s_q].
+  const int64_t counts_ints = heads + (heads & 1);
+  at::Tensor workspace =
+      at::empty({counts_ints + 2 * heads * s_q}, query.options().dtype(at::kInt));
+  int32_t* counts = workspace.mutable_data_ptr<int32_t>();
+  RowEntry* rows = reinterpret_cast<RowEntry*>(counts + counts_ints);
+
+  repair::ScanParams sp{};
+  sp.lse = logsumexp.const_data_ptr<float>();
+  sp.lse_b = logsumexp.stride(0);
+  sp.lse_h = logsumexp.stride(1);
+  sp.lse_s = logsumexp.stride(2);
+  sp.dq = static_cast<uint16_t*>(grad_query.mutable_data_ptr());
+  sp.dq_b = grad_query.stride(0);
+  sp.dq_h = grad_query.stride(1);
+  sp.dq_s = grad_query.stride(2);
+  sp.heads = H;
+  sp.s_q = s_q;
+  sp.head_dim = head_dim;
+  sp.dq_vec = rows_aligned(grad_query, 8);
+  sp.threshold = kRepairLseThreshold;
+  sp.counts = counts;
+  sp.rows = rows;
+  sp.repaired = reinterpret_cast<unsigned long long*>(repaired_rows);
+  repair::repair_scan_kernel<<<static_cast<unsigned>(heads), repair::kScanThreads,
+                               repair::kScanThreads / 32 * sizeof(int), stream>>>(sp);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  TileParams tp{};
+  tp.q = bits(query);
+  tp.k = bits(key);
+  tp.v = bits(value);
+  tp.o = bits(out);
+  tp.go = bits(grad_out);
+  tp.dq = static_cast<uint16_t*>(grad_query.mutable_data_ptr());
+  tp.q_st = row_strides(query);
+  tp.k_st = row_strides(key);
+  tp.v_st = row_strides(value);
+  tp.o_st = row_strides(out);
+  tp.go_st = row_strides(grad_out);
+  tp.dq_st = row_strides(grad_query);
+  if (bias.defined()) {
+    // Broadcast axes get stride 0; the key axis may be broadcast too.
+    const at::Tensor full = bias.expand({B, H, s_q, s_kv});
+    tp.bias = bits(full);
+    tp.bias_b = full.stride(0);
+    tp.bias_h = full.stride(1);
+    tp.bias_s = full.stride(2);
+    tp.bias_e = full.stride(3);
+    tp.bias_vec = (full.stride(3) == 1 || s_kv <= 1) && rows_aligned(full, 8);
+  }
+  tp.counts = counts;
+  tp.rows = rows;
+  tp.heads = H;
+  tp.kv_group = H / key.size(1);
+  tp.s_q = s_q;
+  tp.s_kv = static_cast<int>(s_kv);
+  tp.head_dim = head_dim;
+  tp.tiles_per_head = (s_q + repair::kTileRows - 1) / repair::kTileRows;
+  tp.n_items = heads * tp.tiles_per_head;
+  tp.scale = static_cast<float>(scale);
+  tp.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  tp.causal = is_causal;
+  tp.vec = rows_aligned(query, 8) && rows_aligned(key, 8) && rows_aligned(value, 8) &&
+           rows_aligned(out, 8) && rows_aligned(grad_out, 8);
+  tp.dq_pair = rows_aligned(grad_query, 2);
+  if (query.scalar_type() == at::kBFloat16) {
+    repair::launch_tiles_bf16(tp, device, stream);
+  } else {
+    repair::launch_tiles_fp16(tp, device, stream);
+  }
 }
+
+}  // namespace openwam

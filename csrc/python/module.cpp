@@ -1,19 +1,47 @@
 // The Python extension openwam_sdpa._C: importing it loads the op library
 // (TORCH_LIBRARY registrations) and exposes what Python needs beyond the ops:
-// build facts for the version check, the dispatch decision for explain(), and
-// the guard table for the doctor.
+// a fast entry into openwam::sdpa, the decision for explain(), the settings,
+// the repair telemetry, build facts for the version check and the guard table
+// for the doctor.
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/extension.h>
 #include <torch/version.h>
 
-#include "../dispatch.h"
+#include "../cudnn_attention.h"
+#include "../decision.h"
 #include "../guards.h"
-#include "../sdpa_inputs.h"
+#include "../ops.h"
+#include "../repair_counter.h"
+#include "../sdpa_call.h"
 #include "../settings.h"
 
 namespace py = pybind11;
 
 namespace {
+
+// openwam::sdpa for plain tensors outside torch.compile (ops.py decides when):
+// one pybind call into the dispatcher, the GIL released and warnings and
+// errors translated the way PyTorch's own bindings do it. torch.ops' generic
+// Python entry costs a few microseconds more per call, which a short attention
+// call does not hide.
+at::Tensor sdpa(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  HANDLE_TH_ERRORS
+  py::gil_scoped_release no_gil;
+  return openwam::ops::sdpa().call(query, key, value, attn_mask, dropout_p, is_causal,
+                                   scale, enable_gqa);
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+py::dict settings_dict(const openwam::Settings& s) {
+  py::dict d;
+  d["cudnn"] = openwam::to_string(s.cudnn);
+  d["pad"] = openwam::to_string(s.pad);
+  d["check_finite"] = s.check_finite;
+  return d;
+}
 
 py::dict build_info() {
   py::dict info;
@@ -26,28 +54,26 @@ py::dict build_info() {
   const auto& hooks = at::detail::getCUDAHooks();
   info["cudnn_compiled"] = hooks.hasCuDNN() ? hooks.versionCuDNN() : 0L;
   info["cudnn_runtime"] = openwam::runtime_cudnn_version();
+  info["newest_known_cudnn"] = openwam::kNewestKnownCudnn;
   return info;
 }
 
-py::dict explain(const at::Tensor& query, const at::Tensor& key,
-                 const at::Tensor& value,
+py::dict explain(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                  const std::optional<at::Tensor>& attn_mask, double dropout_p,
                  bool is_causal, std::optional<double> scale, bool enable_gqa) {
-  const openwam::SdpaInputs in{query, key, value, attn_mask, dropout_p,
+  const openwam::SdpaCall call{query, key, value, attn_mask, dropout_p,
                                is_causal, scale, enable_gqa};
-  openwam::validate_inputs(in);
   const openwam::Settings settings = openwam::current_settings();
-  const openwam::Decision d = openwam::decide(in, settings);
+  const openwam::Decision d = openwam::decide(call, settings);
   py::dict out;
-  out["backend"] = d.use_cudnn ? "cudnn" : "pytorch";
+  out["route"] = openwam::to_string(d.route);
+  out["backend"] = d.route == openwam::Route::kCudnn ? "cudnn" : "pytorch";
   out["pytorch_choice"] = d.pytorch_choice;
-  out["plan"] = openwam::to_string(d.plan);
+  out["plan"] = d.plan.to_string();
   out["rule"] = d.rule == nullptr ? "" : d.rule->name;
   out["reason"] = d.reason;
-  out["differentiated"] = in.differentiated();
-  out["cudnn_excluded_from_fallback"] = d.exclude_cudnn;
-  out["setting_cudnn"] = openwam::to_string(settings.cudnn);
-  out["setting_pad"] = openwam::to_string(settings.pad);
+  out["differentiated"] = call.differentiated();
+  out["settings"] = settings_dict(settings);
   out["cudnn_runtime"] = openwam::runtime_cudnn_version();
   return out;
 }
@@ -57,7 +83,11 @@ py::list guard_rules() {
   for (const auto& r : openwam::guard_rules()) {
     py::dict d;
     d["name"] = r.name;
-    d["versions"] = r.versions;
+    d["versions"] = r.versions_text;
+    d["first_version"] = r.versions.first;
+    d["end_version"] = r.versions.end;  // exclusive
+    d["measured_first_version"] = r.measured.first;
+    d["measured_end_version"] = r.measured.end;  // exclusive; equal: nothing measured
     d["defect"] = r.defect;
     d["action"] = r.action;
     d["source"] = r.source;
@@ -70,16 +100,23 @@ py::list guard_rules() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "openwam_sdpa C++ extension: registers torch.ops.openwam.*";
+  m.def("sdpa", &sdpa, "openwam::sdpa for plain tensors (see ops.py).");
   m.def("build_info", &build_info,
         "Versions this extension was built against and the loaded cuDNN.");
   m.def("explain", &explain, py::arg("query"), py::arg("key"), py::arg("value"),
         py::arg("attn_mask") = py::none(), py::arg("dropout_p") = 0.0,
         py::arg("is_causal") = false, py::arg("scale") = py::none(),
         py::arg("enable_gqa") = false,
-        "The backend and fix plan openwam::sdpa would use for this call.");
+        "The route and fix plan openwam::sdpa would use for this call.");
   m.def("guard_rules", &guard_rules, "The guard table of known cuDNN defects.");
   m.def("key_tail_defect", &openwam::key_tail_defect, py::arg("cudnn_version"),
         py::arg("s_kv"), py::arg("head_dim"), py::arg("is_causal") = false,
         "Whether the guard table marks this cuDNN version and key length as "
         "hit by the key-tail dQ NaN defect.");
+  m.def("settings", [] { return settings_dict(openwam::current_settings()); },
+        "The settings in force (read from the environment once, cached).");
+  m.def("reload_settings", [] { return settings_dict(openwam::reload_settings()); },
+        "Re-read the OPENWAM_SDPA_* environment variables.");
+  m.def("repaired_rows", &openwam::read_repaired_rows, py::arg("reset") = false,
+        "dQ rows the GPU repaired since the last reset (synchronises).");
 }

@@ -1,23 +1,29 @@
-"""openwam_sdpa: cuDNN SDPA without the key-tail NaN in dQ.
+"""openwam_sdpa: cuDNN SDPA without the backward NaN.
 
 `import openwam_sdpa` registers torch.ops.openwam.sdpa, a drop-in for
 torch.nn.functional.scaled_dot_product_attention. See README.md.
 """
 
+from . import adversarial
 from ._extension import _C  # noqa: F401  (loads and registers the ops)
-from .ops import build_info, explain, guard_rules, key_tail_defect, pad_keys, sdpa
+from . import distributed  # noqa: F401  (DTensor sharding rules of the cuDNN path's leaf ops)
+from .ops import (build_info, explain, guard_rules, key_tail_defect, pad_keys,
+                  reload_settings, repaired_rows, sdpa, settings)
 from .patching import is_patched, patch, patched, unpatch
-from .transformers_integration import register as _register_transformers
+from .transformers_integration import register_when_imported as _register_transformers
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-# "openwam_sdpa" as a transformers attn_implementation, when transformers is there.
+# "openwam_sdpa" as a transformers attn_implementation, once transformers is imported.
 _register_transformers()
 
 __all__ = [
     "sdpa",
     "pad_keys",
     "explain",
+    "settings",
+    "reload_settings",
+    "repaired_rows",
     "build_info",
     "guard_rules",
     "key_tail_defect",
@@ -25,4 +31,5 @@ __all__ = [
     "unpatch",
     "patched",
     "is_patched",
+    "adversarial",
 ]

@@ -3,14 +3,40 @@
 A C++ extension is tied to the torch it was compiled against: against another
 one it fails with an `undefined symbol` at import, or worse, loads and
 misbehaves. Both cases end here in one clear error naming both versions.
+
+Beyond that, only torch 2.11-2.14 is supported: the releases whose ATen cuDNN
+attention ops (`_scaled_dot_product_cudnn_attention` and its backward, called
+directly) and `_fused_sdp_choice` were checked to have the schema the C++ code
+is written for, and whose cuDNN (9.19-9.24) has the key-tail defect this
+package repairs. Older releases were never checked: refused. From 2.15 torch
+ships cuDNN 9.26, which fixes that defect: allowed, with a warning, so that a
+torch upgrade does not break a program that still imports openwam_sdpa.
 """
 
+import re
+import warnings
+
 import torch
+
+# The first and last supported (major, minor) release.
+SUPPORTED = ((2, 11), (2, 14))
+# What was actually built and run, as opposed to checked by reading the schema.
+TESTED = (
+    "2.11.0+cu130: CPU and GPU suites on an H200 (cuDNN 9.19)",
+    "2.13.0+cpu: CPU suite and C++ tests",
+    "2.14.1+cu130: CUDA build, CPU suite and C++ tests, no GPU run",
+)
+NOT_BUILT = "2.12"
 
 _REBUILD = (
     "rebuild openwam_sdpa against the installed torch: "
     "pip install --no-build-isolation --force-reinstall --no-deps ."
 )
+_SUPPORT = (
+    "openwam_sdpa supports torch {0[0]}.{0[1]}-{1[0]}.{1[1]} (the ATen cuDNN attention "
+    "ops it calls were checked for these releases; built and tested: {2}; "
+    "{3} not built yet)"
+).format(*SUPPORTED, "; ".join(TESTED), NOT_BUILT)
 
 try:
     from . import _C
@@ -21,13 +47,35 @@ except ImportError as exc:  # e.g. undefined symbol after a torch upgrade
     ) from exc
 
 
+def _release(version: str):
+    """(major, minor) of a version string such as '2.14.1+cu130', or None."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
 def _check_torch_version() -> None:
     built = _C.build_info()["torch_version"]
     installed = torch.__version__.split("+")[0]
+    release = _release(installed)
+    supported = release is not None and SUPPORTED[0] <= release <= SUPPORTED[1]
     if built != installed:
         raise ImportError(
             f"openwam_sdpa was built for torch {built}, but torch {installed} "
-            f"is installed; {_REBUILD}"
+            f"is installed; "
+            + (_REBUILD if supported else
+               f"{_SUPPORT}. Install one of those, then {_REBUILD}")
+        )
+    if release is None or release < SUPPORTED[0]:
+        raise ImportError(
+            f"openwam_sdpa does not support torch {installed}: {_SUPPORT}"
+        )
+    if release > SUPPORTED[1]:
+        warnings.warn(
+            f"openwam_sdpa: torch {installed} is newer than the releases it was "
+            f"checked against; {_SUPPORT}. torch 2.15 ships cuDNN 9.26, which "
+            "fixes the key-tail defect (cudnn-frontend #160) that openwam_sdpa "
+            "repairs; the rest of openwam_sdpa is unverified there.",
+            stacklevel=2,
         )
 
 

@@ -1,9 +1,16 @@
 """`python -m openwam_sdpa doctor`: is this stack affected, and does the fix hold?
 
-Reports the versions that matter, the backend PyTorch picks for a masked bf16
-training call, what the guard table says about the runtime cuDNN, and runs the
-adversarial case (one query row with logsumexp near -105, s_kv = 704) through
-stock SDPA and through openwam_sdpa, counting non-finite gradient elements.
+Reports the versions that matter, which known torch/cuDNN pair this is and
+how the guard table covers its cuDNN (a measured rule, a conservative one, or
+a cuDNN newer than any known: unverified), the backend PyTorch picks, and
+runs two cases through stock F.scaled_dot_product_attention (PyTorch's default
+path) and through openwam_sdpa, counting non-finite gradient elements:
+
+* adversarial: row 0 of every head has a logsumexp near -103, as a "massive
+  activation" head gives it; s_kv = 704 (704 % 128 == 64 fails on cuDNN 9.19);
+* left padding: a left-padded causal batch with Hugging Face's bool mask, as
+  padded prompts (DPO, GRPO) give it. The padding's query rows see no key;
+  stock cuDNN turns the mask into -65504, so their logsumexp is near -65504.
 
 Exit codes: 0 nothing to do (not affected, or no CUDA GPU here to be affected);
 1 this stack is affected (stock SDPA gives NaN, or the guard table lists it)
@@ -12,36 +19,101 @@ and openwam_sdpa fixes it; 2 openwam_sdpa itself gave non-finite gradients.
 
 import argparse
 import json
-import math
 import sys
 
 import torch
 import torch.nn.functional as F
 
 from . import ops
+from .adversarial import adversarial_inputs, left_padding_mask
 
 EXIT_OK, EXIT_AFFECTED, EXIT_BROKEN = 0, 1, 2
 
-# The adversarial case: s_kv = 704 (704 % 128 == 64 fails on cuDNN 9.19).
-CASE = dict(batch=2, heads=4, s_q=128, s_kv=704, head_dim=128)
+ADVERSARIAL = dict(batch=2, heads=4, s_q=128, s_kv=704, head_dim=128)
+LEFT_PADDED = dict(batch=2, heads=4, s=704, head_dim=128, padding=64)
+
+# The cuDNN each torch release's CUDA wheels ship (cuDNN encodes 9.x.y as
+# 90000 + 100 * x + y; a pair names major.minor).
+KNOWN_PAIRS = {"2.11": 91900, "2.12": 92000, "2.13": 92000, "2.14": 92400, "2.15": 92600}
 
 
-def adversarial_inputs(batch, heads, s_q, s_kv, head_dim, device, dtype=torch.bfloat16,
-                       target_logit=-110.0):
-    """Random q/k/v where query row 0 is anti-aligned with a component all keys
-    share: its logits are all near `target_logit`, so its logsumexp is far
-    below -88.7 (random data never gets there)."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    shared = torch.ones(head_dim) / math.sqrt(head_dim)
-    scale = 1.0 / math.sqrt(head_dim)
-    amplitude = 30.0
-    q = torch.randn(batch, heads, s_q, head_dim, generator=gen)
-    k = torch.randn(batch, heads, s_kv, head_dim, generator=gen) * 0.5 + amplitude * shared
-    v = torch.randn(batch, heads, s_kv, head_dim, generator=gen)
-    q[:, :, 0] = (target_logit / (amplitude * scale)) * shared
-    grad_out = torch.randn(batch, heads, s_q, head_dim, generator=gen)
-    cast = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
-    return cast(q), cast(k), cast(v), cast(grad_out)
+def cudnn_str(version):
+    return f"{version // 10000}.{version // 100 % 100}.{version % 100}" if version else "none"
+
+
+def minor_str(version):
+    return f"{version // 10000}.{version // 100 % 100}"
+
+
+def shipped_cudnn(torch_version):
+    """The cuDNN (encoded) that this torch release ships, None if not a known pair."""
+    return KNOWN_PAIRS.get(".".join(torch_version.split("+")[0].split(".")[:2]))
+
+
+def rules_for(version, rules):
+    """The guard rows whose cuDNN range [first_version, end_version) holds
+    `version`, each with `measured` (the version lies in the row's measured
+    range). Of the key-tail rows only the first that applies (table order):
+    on 9.19.0 the measured row, not the conservative one behind it."""
+    found, key_tail_seen = [], False
+    for row in rules:
+        if not row.get("first_version", 0) <= version < row.get("end_version", 0):
+            continue
+        if row["name"].startswith("key_tail"):
+            if key_tail_seen:
+                continue
+            key_tail_seen = True
+        measured = row.get("measured_first_version", 0) <= version < row.get("measured_end_version", 0)
+        found.append(dict(row, measured=measured))
+    return found
+
+
+def coverage(version, rules=None, newest_known=None):
+    """How the guard table covers cuDNN `version`: a dict with `status`
+    ("none", "measured", "conservative", "fixed" or "unverified"), the
+    key-tail `remainders` it treats as failing at head_dim 128, the `rules`
+    that apply, and a one-line `summary`. A cuDNN past `newest_known` (the
+    guard table's, by default) is unverified."""
+    if not version:
+        return dict(cudnn=0, status="none", remainders=[], rules=[],
+                    summary="the defect cannot occur")
+    rows = rules_for(version, ops.guard_rules() if rules is None else rules)
+    newest_known = ops.build_info()["newest_known_cudnn"] if newest_known is None else newest_known
+    remainders = [r for r in range(128) if ops.key_tail_defect(version, 512 + r, 128)]
+    key_tail = next((r for r in rows if r["name"].startswith("key_tail")), None)
+    if remainders:
+        status = "measured" if key_tail and key_tail["measured"] else "conservative"
+        rule = key_tail["name"] if key_tail else "key-tail rule"
+        summary = (f"measured rule {rule} (s_kv % 128 in {remainders} at "
+                   "head_dim 64/128; other head_dims treated as any remainder)"
+                   if status == "measured" else
+                   f"conservative rule {rule} (not measured on this version: "
+                   "every s_kv % 128 != 0 treated as failing)")
+    elif version > newest_known:
+        status = "unverified"
+        summary = (f"unverified: newer than the last known cuDNN ({minor_str(newest_known)}); "
+                   "openwam_sdpa runs the stock path there")
+    else:
+        status = "fixed"
+        summary = "the key-tail defect is fixed in this cuDNN"
+    others = [r["name"] + (" (measured)" if r["measured"] else "")
+              for r in rows if not r["name"].startswith("key_tail")]
+    if others:
+        summary += "; other rules: " + ", ".join(others)
+    return dict(cudnn=version, status=status, remainders=remainders, rules=rows,
+                summary=summary)
+
+
+def known_pair(torch_version, cudnn_runtime):
+    """The known pair of this torch, and whether the loaded cuDNN is its own."""
+    shipped = shipped_cudnn(torch_version)
+    pairs = ", ".join(f"{t}/{minor_str(c)}" for t, c in KNOWN_PAIRS.items())
+    if shipped is None:
+        return dict(shipped=None, summary=f"torch {torch_version} is not a known pair ({pairs})")
+    text = f"torch {torch_version.split('+')[0]} ships cuDNN {minor_str(shipped)}"
+    if cudnn_runtime and cudnn_runtime // 100 != shipped // 100:
+        text += f", but cuDNN {cudnn_str(cudnn_runtime)} is loaded"
+    return dict(shipped=shipped, summary=text)
 
 
 def count_nonfinite_grads(attention, q, k, v, grad_out, mask):
@@ -51,40 +123,81 @@ def count_nonfinite_grads(attention, q, k, v, grad_out, mask):
     return {name: int((~torch.isfinite(g)).sum()) for name, g in zip("qkv", grads)}
 
 
+def adversarial_case(device, dtype=torch.bfloat16):
+    return adversarial_inputs(**ADVERSARIAL, rows="first", device=device, dtype=dtype)
+
+
+def left_padded_case(device, dtype=torch.bfloat16):
+    """Ordinary q/k/v and the bool mask of a batch whose last sequence starts
+    with LEFT_PADDED["padding"] padding tokens."""
+    c = LEFT_PADDED
+    q, k, v, grad_out, _ = adversarial_inputs(c["batch"], c["heads"], c["s"], c["s"],
+                                              c["head_dim"], rows="none", device=device,
+                                              dtype=dtype, seed=1)
+    lengths = [c["s"]] * (c["batch"] - 1) + [c["s"] - c["padding"]]
+    return q, k, v, grad_out, left_padding_mask(lengths, c["s"], device=device)
+
+
+def run_cases(device):
+    """Both cases through stock F.sdpa and openwam_sdpa on `device`."""
+    facts = {}
+    adv = adversarial_case(device)
+    scale = ADVERSARIAL["head_dim"] ** -0.5
+    lse = torch.logsumexp(adv.query.float() @ adv.key.float().transpose(-2, -1) * scale, -1)
+    facts["adversarial_lse"] = round(float(lse[adv.affected].max()), 1)
+    mask = torch.ones(ADVERSARIAL["s_q"], ADVERSARIAL["s_kv"], dtype=torch.bool, device=device)
+    facts["openwam_plan"] = ops.explain(adv.query.detach().requires_grad_(), adv.key, adv.value, mask)
+    facts["pytorch_default_backend"] = facts["openwam_plan"]["pytorch_choice"]
+    runs = {}
+    for mask_kind, m in (("bool mask", mask), ("no mask", None)):
+        for name, fn in (("stock F.sdpa", F.scaled_dot_product_attention), ("openwam_sdpa", ops.sdpa)):
+            runs[f"{name}, {mask_kind}"] = count_nonfinite_grads(fn, *adv[:4], m)
+    facts["adversarial_nonfinite"] = runs
+
+    q, k, v, grad_out, mask = left_padded_case(device)
+    plan = ops.explain(q.detach().requires_grad_(), k, v, mask)
+    facts["left_padding_plan"] = plan
+    facts["left_padding_default_backend"] = plan["pytorch_choice"]
+    facts["left_padding_nonfinite"] = {
+        "stock F.sdpa": count_nonfinite_grads(F.scaled_dot_product_attention, q, k, v, grad_out, mask),
+        "openwam_sdpa": count_nonfinite_grads(ops.sdpa, q, k, v, grad_out, mask),
+    }
+    return facts
+
+
 def collect_facts():
     info = ops.build_info()
+    runtime = info["cudnn_runtime"] or (torch.backends.cudnn.version() or 0)
+    pair = known_pair(torch.__version__, runtime)
     facts = {
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn_compiled": info["cudnn_compiled"],
-        "cudnn_runtime": info["cudnn_runtime"],
+        "cudnn_runtime": runtime,
         "built_for_torch": info["torch_version"],
         "extension_has_cuda": info["with_cuda"],
+        "known_pair": pair,
+        # Without a cuDNN here, what the cuDNN this torch ships would get.
+        "coverage": coverage(runtime or pair["shipped"] or 0),
+        "coverage_of": "runtime" if runtime else ("shipped" if pair["shipped"] else "none"),
+        "settings": dict(ops.settings()),
         "gpu": None,
         "not_checked": [],
     }
     if not torch.cuda.is_available():
         facts["not_checked"].append(
-            "no CUDA GPU: PyTorch's default backend, the adversarial run and the "
-            "fix could not be checked here; run the doctor on the training machine")
+            "no CUDA GPU: PyTorch's default backend, the two cases and the fix "
+            "could not be checked here; run the doctor on the training machine")
         return facts
-    facts["gpu"] = f"{torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))})"
-    version = facts["cudnn_runtime"]
-    facts["affected_remainders_d128"] = [
-        r for r in range(128) if ops.key_tail_defect(version, 512 + r, 128)]
-    q, k, v, grad_out = adversarial_inputs(device="cuda", **CASE)
-    mask = torch.ones(CASE["s_q"], CASE["s_kv"], dtype=torch.bool, device="cuda")
-    probe = q.detach().requires_grad_()
-    facts["openwam_plan"] = ops.explain(probe, k, v, mask)
-    facts["pytorch_default_backend"] = facts["openwam_plan"]["pytorch_choice"]
-    runs = {}
-    for mask_kind, m in (("bool mask", mask), ("no mask", None)):
-        runs[f"stock F.sdpa, {mask_kind}"] = count_nonfinite_grads(
-            F.scaled_dot_product_attention, q, k, v, grad_out, m)
-        runs[f"openwam_sdpa, {mask_kind}"] = count_nonfinite_grads(
-            ops.sdpa, q, k, v, grad_out, m)
-    facts["adversarial_nonfinite"] = runs
+    major, minor = torch.cuda.get_device_capability()
+    facts["gpu"] = f"{torch.cuda.get_device_name()} (sm{major}{minor})"
+    facts.update(run_cases("cuda"))
     return facts
+
+
+def _totals(facts, prefix):
+    runs = list(facts["adversarial_nonfinite"].items()) + list(facts["left_padding_nonfinite"].items())
+    return sum(sum(c.values()) for name, c in runs if name.startswith(prefix))
 
 
 def verdict(facts):
@@ -92,43 +205,64 @@ def verdict(facts):
     if facts["gpu"] is None:
         return ("not affected here: no CUDA GPU (the defect lives in cuDNN's GPU "
                 "backward); run this on the training machine", EXIT_OK)
-    runs = facts["adversarial_nonfinite"]
-    ours = sum(sum(c.values()) for name, c in runs.items() if name.startswith("openwam"))
-    stock = sum(sum(c.values()) for name, c in runs.items() if name.startswith("stock"))
+    ours, stock = _totals(facts, "openwam"), _totals(facts, "stock")
     if ours:
+        if facts["settings"].get("pad") == "never":
+            return (f"BROKEN: openwam_sdpa gave {ours} non-finite gradient elements: "
+                    "OPENWAM_SDPA_PAD=never turns the fix off", EXIT_BROKEN)
         return (f"BROKEN: openwam_sdpa gave {ours} non-finite gradient elements; "
                 "please report this with the output above", EXIT_BROKEN)
-    listed = bool(facts["affected_remainders_d128"])
-    if stock or listed:
+    cov = facts["coverage"]
+    if stock or cov["remainders"]:
         why = (f"stock SDPA gave {stock} non-finite gradient elements"
                if stock else "the guard table lists this cuDNN as affected")
-        return (f"AFFECTED: {why}; openwam_sdpa gave none: use openwam_sdpa.sdpa "
-                "or openwam_sdpa.patch()", EXIT_AFFECTED)
+        return (f"AFFECTED: {why}; openwam_sdpa gave none: use "
+                'attn_implementation="openwam_sdpa", openwam_sdpa.sdpa or openwam_sdpa.patch()',
+                EXIT_AFFECTED)
+    if cov["status"] == "unverified":
+        return (f"not affected as far as checked: stock SDPA gave finite gradients, but "
+                f"cuDNN {cudnn_str(facts['cudnn_runtime'])} is unverified (newer than any "
+                "known); openwam_sdpa runs the stock path there", EXIT_OK)
     return ("not affected: stock SDPA gave finite gradients and the guard table "
             "lists no failing key length for this cuDNN", EXIT_OK)
 
 
+def _count_line(name, counts):
+    return f"    {name:28s} non-finite dQ {counts['q']:5d}  dK {counts['k']:5d}  dV {counts['v']:5d}"
+
+
 def format_report(facts):
-    cudnn = lambda v: f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v else "none"  # noqa: E731
+    cov = facts["coverage"]
+    cudnn = cudnn_str(cov["cudnn"])
+    if facts["coverage_of"] == "shipped":
+        cudnn = f"{minor_str(cov['cudnn'])} (shipped with this torch; none loaded here)"
     lines = [
         "openwam_sdpa doctor",
         f"  torch            {facts['torch']} (extension built for {facts['built_for_torch']})",
         f"  CUDA             {facts['cuda'] or 'none (CPU build)'}",
-        f"  cuDNN            runtime {cudnn(facts['cudnn_runtime'])}, compiled {cudnn(facts['cudnn_compiled'])}",
+        f"  cuDNN            runtime {cudnn_str(facts['cudnn_runtime'])}, "
+        f"compiled {cudnn_str(facts['cudnn_compiled'])}",
+        f"  known pair       {facts['known_pair']['summary']}",
+        f"  guard table      cuDNN {cudnn}: {cov['summary']}",
+        f"  settings         {' '.join(f'{k}={v}' for k, v in facts['settings'].items())}",
         f"  GPU              {facts['gpu'] or 'none'}",
     ]
     if facts["gpu"] is not None:
-        rems = facts["affected_remainders_d128"]
+        plan, a = facts["openwam_plan"], ADVERSARIAL
         lines += [
             f"  default backend  {facts['pytorch_default_backend']} (masked bf16 training call)",
-            "  guard table      key-tail dQ NaN for s_kv % 128 in "
-            + (f"{rems if len(rems) < 10 else 'every nonzero remainder'}" if rems else "none"),
-            f"  openwam plan     {facts['openwam_plan']['backend']} / {facts['openwam_plan']['plan']}"
-            f" (s_kv={CASE['s_kv']})",
-            "  adversarial case (B=2, H=4, 128x704, D=128, bf16, one row lse ~ -105):",
+            f"  openwam plan     {plan['backend']} / {plan['plan']} (s_kv={a['s_kv']})",
+            f"  adversarial case (B={a['batch']}, H={a['heads']}, {a['s_q']}x{a['s_kv']}, "
+            f"D={a['head_dim']}, bf16, row 0 of every head at lse {facts['adversarial_lse']}):",
         ]
-        for name, counts in facts["adversarial_nonfinite"].items():
-            lines.append(f"    {name:28s} non-finite dQ {counts['q']:5d}  dK {counts['k']:5d}  dV {counts['v']:5d}")
+        lines += [_count_line(name, c) for name, c in facts["adversarial_nonfinite"].items()]
+        lp, plan = LEFT_PADDED, facts["left_padding_plan"]
+        lines.append(
+            f"  left-padded causal batch (B={lp['batch']}, H={lp['heads']}, {lp['s']}x{lp['s']}, "
+            f"D={lp['head_dim']}, bf16, {lp['padding']} padding tokens, bool mask; "
+            f"default backend {facts['left_padding_default_backend']}, "
+            f"openwam plan {plan['backend']} / {plan['plan']}):")
+        lines += [_count_line(name, c) for name, c in facts["left_padding_nonfinite"].items()]
     for note in facts["not_checked"]:
         lines.append(f"  not checked: {note}")
     return "\n".join(lines)

@@ -1,15 +1,21 @@
 """Python entry points: thin wrappers over the ops the C++ library registers."""
 
+import sys
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from ._extension import _C
 
-# The resolved overload, not the packet: torch.ops.openwam.sdpa(...) picks its
-# overload on every call, a few microseconds of host time per attention call
-# (measured on CPU, torch 2.13) that a short cuDNN forward does not hide.
-_SDPA = torch.ops.openwam.sdpa.default
+# Bound at import, before patch() can replace it: the inputs the op does not
+# serve itself go here.
+_PYTORCH_SDPA = F.scaled_dot_product_attention
+_SDPA_OP = torch.ops.openwam.sdpa.default
+_Tensor = torch.Tensor
+_compiling = torch.compiler.is_compiling
+_handle_torch_function = torch.overrides.handle_torch_function
+_torch_function_mode_on = torch._C._is_torch_function_mode_enabled
 
 
 def sdpa(
@@ -19,16 +25,73 @@ def sdpa(
     attn_mask: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
+    *,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
     """Drop-in for torch.nn.functional.scaled_dot_product_attention.
 
-    Same arguments and result. Calls that run on cuDNN go through the padding
-    shim / dQ repair, so their gradients carry no NaN from cuDNN's key-tail
-    defect. Settings: OPENWAM_SDPA_CUDNN, OPENWAM_SDPA_PAD (see README).
+    Same arguments, results and errors. Calls that run on cuDNN carry the fix
+    for its backward defects (see README); everything else is PyTorch's own
+    implementation. Nested tensors and torch.nn.attention.bias masks go to
+    PyTorch's function as they are, so their own handling applies.
     """
-    return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if attn_mask is not None and type(attn_mask) is not _Tensor and _is_causal_bias(attn_mask):
+        # torch.nn.attention.bias masks override F.sdpa through
+        # __torch_function__, recognising it as whatever
+        # F.scaled_dot_product_attention is now (patched or not).
+        return _handle_torch_function(
+            F.scaled_dot_product_attention, (query, key, value, attn_mask),
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    if query.is_nested:
+        # Nested (jagged) tensors have kernels of their own behind PyTorch's builtin.
+        return _PYTORCH_SDPA(query, key, value, attn_mask, dropout_p, is_causal,
+                             scale=scale, enable_gqa=enable_gqa)
+    if (not _compiling() and type(query) is _Tensor and type(key) is _Tensor
+            and type(value) is _Tensor and (attn_mask is None or type(attn_mask) is _Tensor)
+            and not _torch_function_mode_on()):
+        # Plain tensors under context_parallel bypassed its sequence sharding.
+        if is_context_parallel_wrapper(F.scaled_dot_product_attention):
+            raise NotImplementedError(CONTEXT_PARALLEL_MESSAGE)
+        # Plain tensors: one pybind call into the dispatcher.
+        return _C.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    # Tracers (torch.compile, torch.export, make_fx), tensor subclasses such
+    # as DTensor, and __torch_function__ modes: the op through torch.ops.
+    return _SDPA_OP(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+# torch.distributed.tensor.experimental.context_parallel (monkey-patch mode)
+# replaces F.scaled_dot_product_attention by a wrapper it keeps in this
+# module's _replaced_functions (torch 2.11-2.14 put the module at either path).
+_CONTEXT_PARALLEL_MODULES = (
+    "torch.distributed.tensor.experimental._context_parallel._attention",
+    "torch.distributed.tensor.experimental._attention",
+)
+CONTEXT_PARALLEL_MESSAGE = (
+    "openwam_sdpa: torch.distributed.tensor.experimental.context_parallel is active, and it "
+    "turns only F.scaled_dot_product_attention into ring attention: this call would attend "
+    "within this rank's chunk of the sequence only. Call openwam_sdpa.patch() before "
+    "entering context_parallel and set OPENWAM_SDPA_CUDNN=0 (then "
+    "openwam_sdpa.reload_settings()): the op then hands the calls to PyTorch's flash and "
+    "efficient attention, which context_parallel runs as ring attention.")
+
+
+def is_context_parallel_wrapper(fn) -> bool:
+    """Whether `fn` is context_parallel's stand-in for F.sdpa (it is active)."""
+    for name in _CONTEXT_PARALLEL_MODULES:
+        replaced = getattr(sys.modules.get(name), "_replaced_functions", None)
+        if replaced and fn in replaced:
+            return True
+    return False
+
+
+def _is_causal_bias(mask) -> bool:
+    # Without torch.nn.attention.bias imported there is no such mask, and
+    # importing it here would cost `import openwam_sdpa` seconds (it loads
+    # torch._dynamo).
+    bias = sys.modules.get("torch.nn.attention.bias")
+    return bias is not None and isinstance(mask, bias.CausalBias)
 
 
 def pad_keys(
@@ -56,10 +119,28 @@ def explain(
     scale: Optional[float] = None,
     enable_gqa: bool = False,
 ) -> dict:
-    """What sdpa() would do with these inputs: backend, plan, guard rule."""
-    return _C.explain(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
-    )
+    """What sdpa() would do with these inputs: route, backend, plan, guard rule."""
+    return _C.explain(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def settings() -> dict:
+    """The OPENWAM_SDPA_* settings in force: read from the environment once, at
+    the first call, and cached."""
+    return _C.settings()
+
+
+def reload_settings() -> dict:
+    """Re-read the OPENWAM_SDPA_* environment variables (after changing
+    os.environ); returns the new settings. A graph that torch.compile traced
+    before keeps the settings it was traced with: call torch._dynamo.reset()."""
+    return _C.reload_settings()
+
+
+def repaired_rows(reset: bool = False) -> int:
+    """How many dQ rows the GPU recomputed (the key-tail defect fired there)
+    since the process started or the last reset=True. Synchronises with the
+    GPU; call it at step boundaries, e.g. for logging. 0 without CUDA."""
+    return _C.repaired_rows(reset)
 
 
 def build_info() -> dict:

@@ -1,56 +1,70 @@
 """Route existing code's F.scaled_dot_product_attention calls through the op.
 
 `patch()` replaces torch.nn.functional.scaled_dot_product_attention, which is
-what custom models, nn.MultiheadAttention's non-fast path and Hugging Face
-transformers' "sdpa" attention call. Code that bound the function to a name of
-its own before patch() (`from torch.nn.functional import ...`) keeps the
-original. The switch is process-wide, like torch's own backend switches.
+what custom models, nn.MultiheadAttention and Hugging Face transformers'
+"sdpa" attention call. Code that bound the function to a name of its own
+before patch() (`from torch.nn.functional import ...`) keeps the original.
+The switch is process-wide, like torch's own backend switches. TorchScript
+compiles a patched call into openwam::sdpa.
 """
-
-import contextlib
-import functools
 
 import torch
 import torch.nn.functional as F
 
-from .ops import sdpa
-
-_ORIGINAL = F.scaled_dot_product_attention
+from .ops import _PYTORCH_SDPA, CONTEXT_PARALLEL_MESSAGE, is_context_parallel_wrapper, sdpa
 
 
-@functools.wraps(_ORIGINAL)
-def _patched_sdpa(query, key, value, attn_mask=None, dropout_p=0.0,
-                  is_causal=False, scale=None, enable_gqa=False):
-    # The op does not differentiate a mask (learned relative-position biases
-    # do need it): such calls keep PyTorch's own implementation.
-    if isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad:
-        return _ORIGINAL(query, key, value, attn_mask, dropout_p, is_causal,
-                         scale=scale, enable_gqa=enable_gqa)
-    return sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                enable_gqa)
+# Named as PyTorch's function: Python's own argument errors (an unknown
+# keyword, too many positional arguments) then read exactly as F.sdpa's.
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, *, scale=None, enable_gqa=False):
+    return sdpa(query, key, value, attn_mask, dropout_p, is_causal,
+                scale=scale, enable_gqa=enable_gqa)
 
 
-def patch() -> None:
-    """Send torch.nn.functional.scaled_dot_product_attention to openwam_sdpa."""
-    F.scaled_dot_product_attention = _patched_sdpa
-
-
-def unpatch() -> None:
-    """Restore PyTorch's own scaled_dot_product_attention."""
-    F.scaled_dot_product_attention = _ORIGINAL
+scaled_dot_product_attention.__doc__ = _PYTORCH_SDPA.__doc__
+_patched_sdpa = scaled_dot_product_attention
+# torch.jit.script resolves F.scaled_dot_product_attention by identity: the
+# patched function compiles to the op, whose schema is F.sdpa's.
+torch.jit._builtins._register_builtin(_patched_sdpa, "openwam::sdpa")
 
 
 def is_patched() -> bool:
     return F.scaled_dot_product_attention is _patched_sdpa
 
 
-@contextlib.contextmanager
-def patched():
-    """`with openwam_sdpa.patched(): ...` patches for the block, then restores."""
-    was_patched = is_patched()
-    patch()
-    try:
-        yield
-    finally:
-        if not was_patched:
-            unpatch()
+class patch:
+    """Send torch.nn.functional.scaled_dot_product_attention to openwam_sdpa.
+
+    A plain call patches for good; used as a context manager it restores what
+    was there before on exit:
+
+        openwam_sdpa.patch()
+        with openwam_sdpa.patch():
+            ...
+    """
+
+    def __init__(self):
+        # What was there before: PyTorch's function, our own, or a wrapper
+        # someone else installed. context_parallel's must stay in front of
+        # the op (patch() before entering it), or its calls skip the ring.
+        self._previous = F.scaled_dot_product_attention
+        if is_context_parallel_wrapper(self._previous):
+            raise NotImplementedError(CONTEXT_PARALLEL_MESSAGE)
+        F.scaled_dot_product_attention = _patched_sdpa
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        F.scaled_dot_product_attention = self._previous
+        return False
+
+
+def unpatch() -> None:
+    """Restore PyTorch's own scaled_dot_product_attention."""
+    F.scaled_dot_product_attention = _PYTORCH_SDPA
+
+
+# The name of earlier releases: `with openwam_sdpa.patched(): ...`.
+patched = patch

@@ -2,13 +2,14 @@
 
 `AutoModel.from_pretrained(..., attn_implementation="openwam_sdpa")` then
 runs transformers' own "sdpa" attention and mask code with the op in place of
-F.scaled_dot_product_attention. Registered at `import openwam_sdpa` when
-transformers is installed (importing transformers takes a few seconds).
+F.scaled_dot_product_attention. Registered when transformers is imported
+(`import openwam_sdpa` does not import it: that would cost seconds).
 """
 
 import importlib.util
 
-from .patching import patched
+from ._import_hooks import after_import
+from .patching import patch
 
 NAME = "openwam_sdpa"
 
@@ -25,9 +26,16 @@ def register() -> bool:
         return False
 
     def openwam_attention_forward(module, query, key, value, attention_mask, **kwargs):
-        with patched():
+        # transformers' "sdpa" attention, which calls
+        # F.scaled_dot_product_attention, with the op patched in for the call.
+        with patch():
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(NAME, openwam_attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     return True
+
+
+def register_when_imported() -> None:
+    if importlib.util.find_spec("transformers") is not None:
+        after_import("transformers", register)

@@ -1,58 +1,33 @@
-// openwam::sdpa and openwam::pad_keys called through the dispatcher, as
-// Python and torch.compile call them; and decide() on CPU inputs.
+// openwam::sdpa through the dispatcher on the CPU, as Python and
+// torch.compile call it: whatever the settings, a CPU call is PyTorch's own
+// at::scaled_dot_product_attention, with its values, its gradients and its
+// errors.
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/Context.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/autograd.h>
 
-#include <cstdlib>
 #include <optional>
 #include <string>
-#include <tuple>
+#include <vector>
 
-#include "dispatch.h"
-#include "guards.h"
-#include "padding.h"
-#include "sdpa_inputs.h"
-#include "settings.h"
+#include "support.h"
+#include "env.h"
 
-// Catch2 last: c10/util/logging_is_not_google_glog.h defines a glog-style
-// CHECK that aborts; catch.hpp's CHECK must be the one in force.
-#undef CHECK
-#include <catch2/catch.hpp>
-
-#include "scoped_env.h"
-
-using Catch::Matchers::Contains;
+using openwam_test::kBF16;
+using openwam_test::kF32;
+using openwam_test::kF64;
+using openwam_test::max_abs_diff;
+using openwam_test::ScopedSettings;
 
 namespace {
 
-const auto kF64 = at::TensorOptions().dtype(at::kDouble);
-
-using SdpaSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           const std::optional<at::Tensor>&, double, bool,
-                           std::optional<double>, bool);
-using PadKeysSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t);
-
-const c10::TypedOperatorHandle<SdpaSig>& sdpa_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("openwam::sdpa", "")
-                             .typed<SdpaSig>();
-  return op;
-}
-
-const c10::TypedOperatorHandle<PadKeysSig>& pad_keys_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("openwam::pad_keys", "")
-                             .typed<PadKeysSig>();
-  return op;
-}
-
-
-double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
-  REQUIRE(a.sizes() == b.sizes());
-  return (a - b).abs().max().item<double>();
+at::Tensor sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                const std::optional<at::Tensor>& mask = std::nullopt, double dropout = 0.0,
+                bool causal = false, std::optional<double> scale = std::nullopt,
+                bool gqa = false) {
+  return openwam::ops::sdpa().call(q, k, v, mask, dropout, causal, scale, gqa);
 }
 
 struct Call {
@@ -61,40 +36,6 @@ struct Call {
   bool is_causal;
   std::optional<double> scale;
 };
-
-// openwam::sdpa through the dispatcher against at::scaled_dot_product_attention:
-// outputs and gradients of q, k, v.
-void check_against_stock(const Call& c) {
-  at::Tensor q = at::randn(c.q_shape, kF64).requires_grad_(true);
-  at::Tensor k = at::randn(c.kv_shape, kF64).requires_grad_(true);
-  at::Tensor v = at::randn(c.kv_shape, kF64).requires_grad_(true);
-  const int64_t L = c.q_shape[c.q_shape.size() - 2];
-  const int64_t S = c.kv_shape[c.kv_shape.size() - 2];
-  std::optional<at::Tensor> mask;
-  if (c.mask_kind == 1) {
-    at::Tensor m = at::rand({L, S}, kF64).gt(0.4);
-    m.select(-1, 0).fill_(true);
-    mask = m;
-  } else if (c.mask_kind == 2) {
-    mask = at::randn({1, L, S}, kF64);
-  } else if (c.mask_kind == 3) {
-    mask = at::randn({L, 1}, kF64);
-  }
-
-  at::Tensor out = sdpa_op().call(q, k, v, mask, 0.0, c.is_causal, c.scale, false);
-  at::Tensor expected =
-      at::scaled_dot_product_attention(q, k, v, mask, 0.0, c.is_causal, c.scale);
-  REQUIRE(out.requires_grad());
-  CHECK(max_abs_diff(out, expected) <= 1e-12);
-
-  at::Tensor grad_out = at::randn_like(out);
-  auto grads = torch::autograd::grad({out}, {q, k, v}, {grad_out});
-  auto expected_grads = torch::autograd::grad({expected}, {q, k, v}, {grad_out});
-  for (size_t i = 0; i < 3; ++i) {
-    CAPTURE(i);
-    CHECK(max_abs_diff(grads[i], expected_grads[i]) <= 1e-12);
-  }
-}
 
 const Call kCalls[] = {
     {{2, 3, 7, 16}, {2, 3, 45, 16}, 0, false, std::nullopt},
@@ -108,61 +49,96 @@ const Call kCalls[] = {
     {{2, 3, 7, 16}, {2, 3, 45, 16}, 3, false, std::nullopt},
     {{7, 8}, {20, 8}, 1, false, std::nullopt},
     {{2, 2, 3, 7, 8}, {2, 2, 3, 20, 8}, 0, true, 0.5},
+    {{1, 1, 1, 64}, {1, 1, 300, 64}, 0, false, std::nullopt},  // batch = heads = s_q = 1
 };
 
-}  // namespace
+// openwam::sdpa against at::scaled_dot_product_attention: output and the
+// gradients of q, k, v, within `tolerance` (0: bit for bit).
+void check_against_stock(const Call& c, at::TensorOptions options, double tolerance) {
+  at::Tensor q = at::randn(c.q_shape, options).requires_grad_(true);
+  at::Tensor k = at::randn(c.kv_shape, options).requires_grad_(true);
+  at::Tensor v = at::randn(c.kv_shape, options).requires_grad_(true);
+  const int64_t L = c.q_shape[c.q_shape.size() - 2];
+  const int64_t S = c.kv_shape[c.kv_shape.size() - 2];
+  std::optional<at::Tensor> mask;
+  if (c.mask_kind == 1) {
+    at::Tensor m = at::rand({L, S}).gt(0.4);
+    m.select(-1, 0).fill_(true);
+    mask = m;
+  } else if (c.mask_kind == 2) {
+    mask = at::randn({1, L, S}, options);
+  } else if (c.mask_kind == 3) {
+    mask = at::randn({L, 1}, options);
+  }
 
-TEST_CASE("the openwam schemas are registered", "[dispatcher]") {
-  auto& d = c10::Dispatcher::singleton();
-  CHECK(d.findSchema({"openwam::sdpa", ""}).has_value());
-  CHECK(d.findSchema({"openwam::pad_keys", ""}).has_value());
-  CHECK(d.findSchema({"openwam::_repair_dq_", ""}).has_value());
-  // pad_keys' multiple defaults to the cuDNN key tile.
-  const auto& args = pad_keys_op().schema().arguments();
-  REQUIRE(args.size() == 4);
-  REQUIRE(args[3].default_value().has_value());
-  CHECK(args[3].default_value()->toInt() == openwam::kCudnnKeyTile);
-}
+  at::Tensor out = sdpa(q, k, v, mask, 0.0, c.is_causal, c.scale);
+  at::Tensor expected =
+      at::scaled_dot_product_attention(q, k, v, mask, 0.0, c.is_causal, c.scale);
+  REQUIRE(out.requires_grad());
+  CHECK(out.scalar_type() == expected.scalar_type());
+  CHECK(out.strides() == expected.strides());
+  CHECK(max_abs_diff(out, expected) <= tolerance);
 
-TEST_CASE("openwam::sdpa equals at::scaled_dot_product_attention (float64)",
-          "[dispatcher][numerics]") {
-  ScopedEnv cudnn("OPENWAM_SDPA_CUDNN", nullptr);
-  ScopedEnv check("OPENWAM_SDPA_CHECK_FINITE", nullptr);
-  const char* pad = GENERATE(as<const char*>{}, "auto", "always", "never");
-  ScopedEnv pad_env("OPENWAM_SDPA_PAD", pad);
-  const bool prefer_cudnn = GENERATE(false, true);  // cannot serve on CPU anyway
-  ScopedEnv cudnn_env("OPENWAM_SDPA_CUDNN", prefer_cudnn ? "1" : nullptr);
-  CAPTURE(pad, prefer_cudnn);
-  for (size_t i = 0; i < sizeof(kCalls) / sizeof(kCalls[0]); ++i) {
+  at::Tensor grad_out = at::randn_like(out);
+  auto grads = torch::autograd::grad({out}, {q, k, v}, {grad_out});
+  auto expected_grads = torch::autograd::grad({expected}, {q, k, v}, {grad_out});
+  for (size_t i = 0; i < 3; ++i) {
     CAPTURE(i);
-    check_against_stock(kCalls[i]);
+    CHECK(max_abs_diff(grads[i], expected_grads[i]) <= tolerance);
   }
 }
 
-TEST_CASE("openwam::sdpa without grad and in inference mode", "[dispatcher]") {
-  at::Tensor q = at::randn({2, 3, 7, 16}, kF64);
-  at::Tensor k = at::randn({2, 3, 45, 16}, kF64);
-  at::Tensor v = at::randn({2, 3, 45, 16}, kF64);
-  at::Tensor expected = at::scaled_dot_product_attention(q, k, v);
-  at::Tensor out = sdpa_op().call(q, k, v, std::nullopt, 0.0, false, std::nullopt, false);
-  CHECK_FALSE(out.requires_grad());
-  CHECK(max_abs_diff(out, expected) <= 1e-12);
-  c10::InferenceMode guard;
-  at::Tensor qi = at::randn({2, 3, 7, 16}, kF64);
-  at::Tensor ki = at::randn({2, 3, 45, 16}, kF64);
-  at::Tensor vi = at::randn({2, 3, 45, 16}, kF64);
-  at::Tensor out_i =
-      sdpa_op().call(qi, ki, vi, std::nullopt, 0.0, true, std::nullopt, false);
-  CHECK(max_abs_diff(out_i, at::scaled_dot_product_attention(qi, ki, vi, std::nullopt,
-                                                             0.0, true)) <= 1e-12);
+// What happens to a call on each side: "" for success (then the outputs
+// must agree), else the error message.
+void check_same_outcome(const char* what, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, const std::optional<at::Tensor>& mask,
+                        double dropout, bool causal, std::optional<double> scale = std::nullopt,
+                        bool gqa = false) {
+  CAPTURE(what);
+  at::Tensor ours, theirs;
+  const std::string our_error = openwam_test::error_of(
+      [&] { ours = sdpa(q, k, v, mask, dropout, causal, scale, gqa); });
+  const std::string their_error = openwam_test::error_of([&] {
+    theirs = at::scaled_dot_product_attention(q, k, v, mask, dropout, causal, scale, gqa);
+  });
+  CHECK(our_error == their_error);
+  if (our_error.empty() && their_error.empty() && dropout == 0.0) {
+    CHECK(max_abs_diff(ours, theirs) == 0.0);
+  }
 }
 
-TEST_CASE("openwam::sdpa with grouped-query attention", "[dispatcher][numerics]") {
+}  // namespace
+
+TEST_CASE("openwam::sdpa equals at::scaled_dot_product_attention (float64)",
+          "[dispatcher][numerics]") {
+  const char* pad = GENERATE(as<const char*>{}, "auto", "always", "never");
+  const char* cudnn = GENERATE(as<const char*>{}, "", "1", "0");
+  CAPTURE(pad, cudnn);
+  ScopedSettings pinned(cudnn, pad);
+  for (size_t i = 0; i < sizeof(kCalls) / sizeof(kCalls[0]); ++i) {
+    CAPTURE(i);
+    check_against_stock(kCalls[i], kF64, 1e-12);
+  }
+}
+
+TEST_CASE("openwam::sdpa is at::scaled_dot_product_attention bit for bit (bf16, fp32)",
+          "[dispatcher][numerics]") {
+  ScopedSettings defaults;
+  for (auto options : {kBF16, kF32}) {
+    for (size_t i = 0; i < sizeof(kCalls) / sizeof(kCalls[0]); ++i) {
+      CAPTURE(i, options.dtype());
+      check_against_stock(kCalls[i], options, 0.0);
+    }
+  }
+}
+
+TEST_CASE("openwam::sdpa with grouped-query attention and BSHD views",
+          "[dispatcher][numerics]") {
+  ScopedSettings always(nullptr, "always");
   at::Tensor q = at::randn({2, 4, 7, 8}, kF64).requires_grad_(true);
   at::Tensor k = at::randn({2, 2, 30, 8}, kF64).requires_grad_(true);
   at::Tensor v = at::randn({2, 2, 30, 8}, kF64).requires_grad_(true);
-  ScopedEnv pad_env("OPENWAM_SDPA_PAD", "always");
-  at::Tensor out = sdpa_op().call(q, k, v, std::nullopt, 0.0, false, std::nullopt, true);
+  at::Tensor out = sdpa(q, k, v, std::nullopt, 0.0, false, std::nullopt, true);
   at::Tensor expected = at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0,
                                                          false, std::nullopt, true);
   CHECK(max_abs_diff(out, expected) <= 1e-12);
@@ -172,152 +148,179 @@ TEST_CASE("openwam::sdpa with grouped-query attention", "[dispatcher][numerics]"
     CAPTURE(i);
     CHECK(max_abs_diff(grads[i], expected_grads[i]) <= 1e-12);
   }
+
+  const auto view = [](int64_t S) {
+    return at::randn({2, S, 3, 16}, kBF16).transpose(1, 2).requires_grad_(true);
+  };
+  at::Tensor qb = view(7), kb = view(45), vb = view(45);
+  at::Tensor ob = sdpa(qb, kb, vb);
+  at::Tensor eb = at::scaled_dot_product_attention(qb, kb, vb);
+  CHECK(ob.equal(eb));
+  CHECK(ob.strides() == eb.strides());
 }
 
-TEST_CASE("openwam::pad_keys through the dispatcher", "[dispatcher]") {
-  at::Tensor k = at::randn({2, 3, 45, 8}, kF64).requires_grad_(true);
-  at::Tensor v = at::randn({2, 3, 45, 8}, kF64).requires_grad_(true);
-  at::Tensor m = at::rand({2, 1, 5, 45}, kF64).gt(0.5);
-  auto [kp, vp, mp] = pad_keys_op().call(k, v, m, 128);
-  auto [kd, vd, md] = openwam::pad_keys(k, v, m, 128);
-  CHECK(kp.sizes() == at::IntArrayRef({2, 3, 128, 8}));
-  CHECK(kp.equal(kd));
-  CHECK(vp.equal(vd));
-  CHECK(mp.equal(md));
-  CHECK(mp.scalar_type() == at::kBool);
-
-  // Differentiable in key/value: the tail's gradient is dropped.
-  REQUIRE(kp.requires_grad());
-  at::Tensor w = at::randn_like(kp);
-  auto grads = torch::autograd::grad({(kp * w).sum() + vp.sum()}, {k, v});
-  CHECK(grads[0].equal(w.narrow(2, 0, 45)));
-  CHECK(grads[1].equal(at::ones_like(v)));
-
-  auto [kn, vn, mn] = pad_keys_op().call(k, v, std::nullopt, 64);
-  CHECK(kn.size(2) == 64);
-  CHECK(mn.sizes() == at::IntArrayRef({1, 64}));
-  CHECK_THROWS_WITH(pad_keys_op().call(k, v, std::nullopt, 0), Contains("multiple"));
-}
-
-TEST_CASE("openwam::sdpa validation errors through the dispatcher", "[dispatcher]") {
-  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+TEST_CASE("openwam::sdpa without grad and in inference mode", "[dispatcher]") {
+  ScopedSettings defaults;
   at::Tensor q = at::randn({2, 3, 7, 16}, kF64);
   at::Tensor k = at::randn({2, 3, 45, 16}, kF64);
   at::Tensor v = at::randn({2, 3, 45, 16}, kF64);
-  auto call = [&](const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
-                  const std::optional<at::Tensor>& m, double dropout, bool causal,
-                  bool gqa = false) {
-    return sdpa_op().call(q_, k_, v_, m, dropout, causal, std::nullopt, gqa);
-  };
-  CHECK_THROWS_AS(call(q, k.to(at::kFloat), v, std::nullopt, 0.0, false), c10::Error);
-  CHECK_THROWS_WITH(call(q, k.to(at::kFloat), v, std::nullopt, 0.0, false),
-                    Contains("openwam::sdpa") && Contains("key") && Contains("dtype"));
-  CHECK_THROWS_WITH(call(q, k, v.to(at::kFloat), std::nullopt, 0.0, false),
-                    Contains("openwam::sdpa") && Contains("value"));
-  CHECK_THROWS_WITH(call(q, k[0], v, std::nullopt, 0.0, false),
-                    Contains("openwam::sdpa") && Contains("rank"));
-  CHECK_THROWS_WITH(call(q, k, v.narrow(2, 0, 40), std::nullopt, 0.0, false),
-                    Contains("openwam::sdpa") && Contains("sequence length"));
-  CHECK_THROWS_WITH(call(q, k.narrow(1, 0, 1), v.narrow(1, 0, 1), std::nullopt, 0.0,
-                         false),
-                    Contains("openwam::sdpa") && Contains("enable_gqa"));
-  CHECK_THROWS_WITH(call(q, k, v, at::ones({7, 45}, at::kBool), 0.0, true),
-                    Contains("openwam::sdpa") && Contains("is_causal"));
-  CHECK_THROWS_WITH(call(q, k, v, at::ones({7, 44}, at::kBool), 0.0, false),
-                    Contains("openwam::sdpa") && Contains("attn_mask"));
-  CHECK_THROWS_WITH(call(q, k, v, at::zeros({7, 45}, f32), 0.0, false),
-                    Contains("openwam::sdpa") && Contains("attn_mask"));
-  CHECK_THROWS_WITH(
-      call(q, k, v, at::zeros({7, 45}, kF64).requires_grad_(true), 0.0, false),
-      Contains("openwam::sdpa") && Contains("requires_grad"));
-  CHECK_THROWS_WITH(call(q, k, v, std::nullopt, 1.0, false),
-                    Contains("openwam::sdpa") && Contains("dropout_p"));
-  CHECK_THROWS_WITH(call(q.to(at::kInt), k.to(at::kInt), v.to(at::kInt), std::nullopt,
-                         0.0, false),
-                    Contains("openwam::sdpa") && Contains("floating point"));
-  CHECK_THROWS_WITH(sdpa_op().call(q, k, v, std::nullopt, 0.0, false, -1.0, false),
-                    Contains("openwam::sdpa") && Contains("scale"));
-}
-
-TEST_CASE("decide() on CPU inputs never picks cuDNN", "[dispatcher]") {
-  openwam::SdpaInputs in;
-  in.query = at::randn({2, 3, 7, 16}, kF64).requires_grad_(true);
-  in.key = at::randn({2, 3, 45, 16}, kF64).requires_grad_(true);
-  in.value = at::randn({2, 3, 45, 16}, kF64).requires_grad_(true);
-  at::AutoGradMode grad_on(true);
-  REQUIRE(in.differentiated());
-
-  std::string why;
-  CHECK_FALSE(openwam::cudnn_can_serve(in, &why));
-  CHECK_FALSE(why.empty());
-  CHECK_THAT(why, Contains("CUDA"));
-  CHECK_FALSE(openwam::cudnn_can_serve(in, nullptr));
-
-  for (auto pref : {openwam::CudnnPreference::kFollowPyTorch,
-                    openwam::CudnnPreference::kPrefer,
-                    openwam::CudnnPreference::kNever}) {
-    for (auto pad : {openwam::PadMode::kAuto, openwam::PadMode::kNever}) {
-      CAPTURE(openwam::to_string(pref), openwam::to_string(pad));
-      openwam::Settings s;
-      s.cudnn = pref;
-      s.pad = pad;
-      const openwam::Decision d = openwam::decide(in, s);
-      CHECK_FALSE(d.use_cudnn);
-      CHECK_FALSE(d.exclude_cudnn);
-      CHECK(d.pytorch_choice != "cudnn_attention");
-      CHECK_FALSE(d.pytorch_choice.empty());
-      CHECK(d.plan == openwam::Plan::kNone);
-      CHECK(d.rule == nullptr);
-      CHECK_FALSE(d.reason.empty());
-      if (pref == openwam::CudnnPreference::kPrefer) {
-        CHECK_THAT(d.reason, Contains("cannot serve"));
-      }
-    }
-  }
-
-  // OPENWAM_SDPA_PAD=always pads the inputs of a differentiated call whose
-  // s_kv is not a multiple of 128, and only then.
-  openwam::Settings always;
-  always.pad = openwam::PadMode::kAlways;
-  CHECK(openwam::decide(in, always).plan == openwam::Plan::kPadInputs);
+  at::Tensor expected = at::scaled_dot_product_attention(q, k, v);
+  at::Tensor out = sdpa(q, k, v);
+  CHECK_FALSE(out.requires_grad());
+  CHECK(max_abs_diff(out, expected) <= 1e-12);
   {
     at::AutoGradMode grad_off(false);
-    CHECK(openwam::decide(in, always).plan == openwam::Plan::kNone);
+    at::Tensor qg = q.clone().requires_grad_(true);
+    CHECK_FALSE(sdpa(qg, k, v).requires_grad());
   }
-  openwam::SdpaInputs aligned = in;
-  aligned.key = at::randn({2, 3, 128, 16}, kF64).requires_grad_(true);
-  aligned.value = at::randn({2, 3, 128, 16}, kF64).requires_grad_(true);
-  CHECK(openwam::decide(aligned, always).plan == openwam::Plan::kNone);
+  c10::InferenceMode guard;
+  at::Tensor qi = at::randn({2, 3, 7, 16}, kF64);
+  at::Tensor ki = at::randn({2, 3, 45, 16}, kF64);
+  at::Tensor vi = at::randn({2, 3, 45, 16}, kF64);
+  at::Tensor out_i = sdpa(qi, ki, vi, std::nullopt, 0.0, true);
+  CHECK(max_abs_diff(out_i, at::scaled_dot_product_attention(qi, ki, vi, std::nullopt,
+                                                             0.0, true)) <= 1e-12);
 }
 
-TEST_CASE("decide() sends empty inputs to PyTorch's math backend", "[dispatcher]") {
-  // torch 2.11's fused CPU kernel dies of SIGFPE on zero heads (pytorch
-  // #174939); an empty call has nothing for a fused kernel to do.
+TEST_CASE("openwam::sdpa with dropout: PyTorch's own dropout", "[dispatcher]") {
+  ScopedSettings defaults;
+  at::Tensor q = at::randn({2, 3, 7, 16}, kF64);
+  at::Tensor k = at::randn({2, 3, 45, 16}, kF64);
+  at::Tensor v = at::randn({2, 3, 45, 16}, kF64);
+  at::manual_seed(7);
+  at::Tensor out = sdpa(q, k, v, std::nullopt, 0.5);
+  at::manual_seed(7);
+  at::Tensor expected = at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.5);
+  CHECK(out.equal(expected));
+}
+
+TEST_CASE("openwam::sdpa on empty inputs: PyTorch's math backend", "[dispatcher]") {
   const std::vector<std::vector<int64_t>> q_kv_shapes[] = {
       {{0, 2, 3, 8}, {0, 2, 5, 8}},  // empty batch
       {{1, 0, 3, 8}, {1, 0, 5, 8}},  // zero heads
       {{1, 2, 0, 8}, {1, 2, 5, 8}},  // zero-length query
       {{1, 2, 3, 8}, {1, 2, 0, 8}},  // zero-length keys
   };
-  at::AutoGradMode grad_on(true);
+  const char* pad = GENERATE(as<const char*>{}, "auto", "always");
+  ScopedSettings pinned(nullptr, pad);
   for (const auto& shapes : q_kv_shapes) {
-    CAPTURE(shapes[0], shapes[1]);
-    openwam::SdpaInputs in;
-    in.query = at::randn(shapes[0], kF64).requires_grad_(true);
-    in.key = at::randn(shapes[1], kF64).requires_grad_(true);
-    in.value = at::randn(shapes[1], kF64).requires_grad_(true);
-    openwam::Settings always;
-    always.pad = openwam::PadMode::kAlways;
-    const openwam::Decision d = openwam::decide(in, always);
-    CHECK(d.empty_input);
-    CHECK_FALSE(d.use_cudnn);
-    CHECK(d.plan == openwam::Plan::kNone);
-    CHECK_THAT(d.reason, Contains("empty"));
-
-    at::Tensor out = sdpa_op().call(in.query, in.key, in.value, std::nullopt, 0.0,
-                                    false, std::nullopt, false);
-    std::vector<int64_t> want = shapes[0];
-    CHECK(out.sizes() == at::IntArrayRef(want));
+    CAPTURE(shapes[0], shapes[1], pad);
+    at::Tensor q = at::randn(shapes[0], kF64).requires_grad_(true);
+    at::Tensor k = at::randn(shapes[1], kF64).requires_grad_(true);
+    at::Tensor v = at::randn(shapes[1], kF64).requires_grad_(true);
+    at::Tensor out = sdpa(q, k, v);
+    CHECK(out.sizes() == at::IntArrayRef(shapes[0]));
     CHECK(out.eq(0).all().item<bool>());  // zero-length keys: zero output
+    const at::Tensor math = std::get<0>(at::_scaled_dot_product_attention_math(q, k, v));
+    CHECK(out.equal(math));
+    // Differentiable like any other call.
+    auto grads = torch::autograd::grad({out.sum()}, {q, k, v}, {}, std::nullopt, false,
+                                       /*allow_unused=*/true);
+    for (size_t i = 0; i < 3; ++i) {
+      CAPTURE(i);
+      if (grads[i].defined()) {
+        CHECK(grads[i].eq(0).all().item<bool>());
+      }
+    }
+  }
+}
+
+TEST_CASE("openwam::sdpa raises PyTorch's own errors", "[dispatcher]") {
+  ScopedSettings defaults;
+  at::Tensor q = at::randn({2, 3, 7, 16}, kF64);
+  at::Tensor k = at::randn({2, 3, 45, 16}, kF64);
+  at::Tensor v = at::randn({2, 3, 45, 16}, kF64);
+  const auto f32 = kF32;
+  check_same_outcome("key dtype", q, k.to(at::kFloat), v, std::nullopt, 0.0, false);
+  check_same_outcome("value dtype", q, k, v.to(at::kFloat), std::nullopt, 0.0, false);
+  check_same_outcome("key rank", q, k[0], v, std::nullopt, 0.0, false);
+  check_same_outcome("1-D", q[0][0][0], k[0][0][0], v[0][0][0], std::nullopt, 0.0, false);
+  check_same_outcome("value length", q, k, v.narrow(2, 0, 40), std::nullopt, 0.0, false);
+  check_same_outcome("heads without enable_gqa", q, k.narrow(1, 0, 1), v.narrow(1, 0, 1),
+                     std::nullopt, 0.0, false);
+  check_same_outcome("heads not dividing", q, k.narrow(1, 0, 2), v.narrow(1, 0, 2),
+                     std::nullopt, 0.0, false, std::nullopt, true);
+  check_same_outcome("head_dim", q, k.narrow(3, 0, 8), v, std::nullopt, 0.0, false);
+  check_same_outcome("mask with is_causal", q, k, v, at::ones({7, 45}, at::kBool), 0.0,
+                     true);
+  check_same_outcome("mask length", q, k, v, at::ones({7, 44}, at::kBool), 0.0, false);
+  check_same_outcome("mask float32", q, k, v, at::zeros({7, 45}, f32), 0.0, false);
+  check_same_outcome("mask int", q, k, v, at::zeros({7, 45}, at::kInt), 0.0, false);
+  check_same_outcome("mask requires grad", q, k, v,
+                     at::zeros({7, 45}, kF64).requires_grad_(true), 0.0, false);
+  check_same_outcome("dropout 1", q, k, v, std::nullopt, 1.0, false);
+  check_same_outcome("dropout -0.5", q, k, v, std::nullopt, -0.5, false);
+  check_same_outcome("int inputs", q.to(at::kInt), k.to(at::kInt), v.to(at::kInt),
+                     std::nullopt, 0.0, false);
+  check_same_outcome("negative scale", q, k, v, std::nullopt, 0.0, false, -1.0);
+  check_same_outcome("device", q, at::empty_like(k, k.options().device(at::kMeta)), v,
+                     std::nullopt, 0.0, false);
+  check_same_outcome("empty and dtype", q.narrow(0, 0, 0), k.narrow(0, 0, 0).to(at::kFloat),
+                     v.narrow(0, 0, 0), std::nullopt, 0.0, false);
+  // bf16: the inputs the cuDNN path would take on a GPU.
+  check_same_outcome("bf16 head_dim 12", at::randn({2, 3, 7, 12}, kBF16),
+                     at::randn({2, 3, 45, 12}, kBF16), at::randn({2, 3, 45, 12}, kBF16),
+                     std::nullopt, 0.0, false);
+  check_same_outcome("bf16 mask rank 5", at::randn({2, 3, 7, 16}, kBF16),
+                     at::randn({2, 3, 45, 16}, kBF16), at::randn({2, 3, 45, 16}, kBF16),
+                     at::ones({1, 2, 3, 7, 45}, at::kBool), 0.0, false);
+}
+
+TEST_CASE("OPENWAM_SDPA_CUDNN=0 restores PyTorch's cuDNN switch after the call",
+          "[dispatcher]") {
+  ScopedSettings never("0");
+  auto& ctx = at::globalContext();
+  const bool was = ctx.userEnabledCuDNNSDP();
+  at::Tensor q = at::randn({2, 3, 7, 16}, kBF16);
+  at::Tensor k = at::randn({2, 3, 45, 16}, kBF16);
+  at::Tensor v = at::randn({2, 3, 45, 16}, kBF16);
+  for (bool enabled : {true, false, true}) {
+    CAPTURE(enabled);
+    ctx.setSDPUseCuDNN(enabled);
+    CHECK(sdpa(q, k, v).equal(at::scaled_dot_product_attention(q, k, v)));
+    CHECK(ctx.userEnabledCuDNNSDP() == enabled);
+    // Also when the call raises.
+    CHECK_FALSE(openwam_test::error_of([&] { sdpa(q, k.to(at::kHalf), v); }).empty());
+    CHECK(ctx.userEnabledCuDNNSDP() == enabled);
+  }
+  ctx.setSDPUseCuDNN(was);
+}
+
+TEST_CASE("openwam::sdpa under CPU autocast casts like F.sdpa", "[dispatcher]") {
+  ScopedSettings defaults;
+  struct Autocast {
+    Autocast() {
+      was_ = at::autocast::is_autocast_enabled(at::kCPU);
+      at::autocast::set_autocast_enabled(at::kCPU, true);
+    }
+    ~Autocast() {
+      at::autocast::set_autocast_enabled(at::kCPU, was_);
+      at::autocast::clear_cache();
+    }
+    bool was_;
+  };
+  at::Tensor q = at::randn({2, 3, 7, 16}, kF32).requires_grad_(true);
+  at::Tensor k = at::randn({2, 3, 45, 16}, kF32).requires_grad_(true);
+  at::Tensor v = at::randn({2, 3, 45, 16}, kF32).requires_grad_(true);
+  const std::optional<at::Tensor> masks[] = {std::nullopt, at::randn({7, 45}, kF32),
+                                             at::rand({7, 45}).gt(0.3)};
+  for (const auto& mask : masks) {
+    CAPTURE(mask.has_value() ? mask->scalar_type() : at::kChar);
+    at::Tensor out, expected;
+    {
+      Autocast autocast;
+      out = sdpa(q, k, v, mask);
+      expected = at::scaled_dot_product_attention(q, k, v, mask);
+    }
+    CHECK(out.scalar_type() == at::kBFloat16);
+    CHECK(expected.scalar_type() == at::kBFloat16);
+    CHECK(out.equal(expected));
+    auto grads = torch::autograd::grad({out.sum()}, {q, k, v});
+    auto expected_grads = torch::autograd::grad({expected.sum()}, {q, k, v});
+    for (size_t i = 0; i < 3; ++i) {
+      CAPTURE(i);
+      CHECK(grads[i].scalar_type() == at::kFloat);
+      CHECK(grads[i].equal(expected_grads[i]));
+    }
   }
 }

@@ -1,53 +1,358 @@
-// The guard table (csrc/guards.h): key_tail_defect, plan_for_cudnn,
-// guard_rules, rule_avoiding_cudnn.
-#include <ATen/ATen.h>
-#include <ATen/core/grad_mode.h>
+// The guard table (csrc/guards.h): one test per rule row (its versions and
+// its predicate), the folding of the rows into one plan (check_guards),
+// key_tail_defect, the warning, and the rows' fields.
+#include <c10/util/Exception.h>
 
 #include <cstring>
+#include <set>
 #include <string>
+#include <vector>
 
 #include "guards.h"
-#include "sdpa_inputs.h"
-#include "settings.h"
+#include "support.h"
 
-// Catch2 last: c10/util/logging_is_not_google_glog.h defines a glog-style
-// CHECK that aborts; catch.hpp's CHECK must be the one in force.
-#undef CHECK
-#include <catch2/catch.hpp>
-
+using openwam::CallShape;
+using openwam::Fix;
+using openwam::GuardRule;
 using openwam::Plan;
+using openwam::cudnn_version;
+using openwam::kNewestKnownCudnn;
 
 namespace {
 
-// q [B, H, s_q, head_dim], k/v [B, H, s_kv, head_dim]; contents irrelevant.
-openwam::SdpaInputs make_inputs(int64_t s_q, int64_t s_kv, int64_t head_dim,
-                                bool requires_grad = true, double dropout_p = 0.0,
-                                bool is_causal = false, int64_t B = 2,
-                                int64_t H = 2) {
-  const auto opts = at::TensorOptions().dtype(at::kDouble);
-  openwam::SdpaInputs in;
-  in.query = at::zeros({B, H, s_q, head_dim}, opts).requires_grad_(requires_grad);
-  in.key = at::zeros({B, H, s_kv, head_dim}, opts).requires_grad_(requires_grad);
-  in.value = at::zeros({B, H, s_kv, head_dim}, opts).requires_grad_(requires_grad);
-  in.dropout_p = dropout_p;
-  in.is_causal = is_causal;
-  return in;
+constexpr long k9_7_1 = cudnn_version(9, 7, 1);
+constexpr long k9_15_0 = cudnn_version(9, 15, 0);
+constexpr long k9_19_0 = cudnn_version(9, 19, 0);
+constexpr long k9_25_0 = cudnn_version(9, 25, 0);
+constexpr long k9_25_1 = cudnn_version(9, 25, 1);
+constexpr long k9_26_0 = cudnn_version(9, 26, 0);
+constexpr long kTooNew = kNewestKnownCudnn + 1;
+
+const GuardRule& rule(const char* name) {
+  for (const GuardRule& r : openwam::guard_rules()) {
+    if (std::strcmp(r.name, name) == 0) {
+      return r;
+    }
+  }
+  FAIL("no guard rule named " << name);
+  throw;  // unreachable: FAIL throws
 }
 
-openwam::Settings settings_with(openwam::PadMode pad) {
-  openwam::Settings s;
-  s.pad = pad;
+std::string name_of(const GuardRule* r) {
+  return r == nullptr ? std::string("<none>") : std::string(r->name);
+}
+
+CallShape shape(int64_t batch, int64_t heads, int64_t s_q, int64_t s_kv,
+                int64_t head_dim, bool is_causal = false, double dropout_p = 0.0) {
+  CallShape s;
+  s.batch = batch;
+  s.heads = heads;
+  s.kv_heads = heads;
+  s.s_q = s_q;
+  s.s_kv = s_kv;
+  s.head_dim = head_dim;
+  s.head_dim_v = head_dim;
+  s.is_causal = is_causal;
+  s.dropout_p = dropout_p;
   return s;
 }
 
-// A non-null value that plan_for_cudnn must overwrite.
-const openwam::GuardRule* sentinel() { return &openwam::guard_rules().back(); }
-
-std::string rule_name(const openwam::GuardRule* rule) {
-  return rule == nullptr ? std::string("<none>") : std::string(rule->name);
+// Does `r` fire for this call on this version (its versions and its predicate).
+bool fires(const GuardRule& r, const CallShape& s, long version) {
+  return r.versions.contains(version) && r.hits(s, version);
 }
 
 }  // namespace
+
+TEST_CASE("version encoding and ranges", "[guards]") {
+  CHECK(cudnn_version(9, 19, 0) == 91900);
+  CHECK(cudnn_version(9, 26, 99) == 92699);
+  CHECK(kNewestKnownCudnn == 92699);
+  const openwam::VersionRange r{100, 200};
+  CHECK(r.contains(100));
+  CHECK(r.contains(199));
+  CHECK_FALSE(r.contains(200));
+  CHECK_FALSE(r.contains(99));
+  CHECK_FALSE(r.empty());
+  CHECK(openwam::VersionRange{}.empty());
+  CHECK_FALSE(openwam::VersionRange{}.contains(0));
+}
+
+TEST_CASE("guard_rules: the rows, in order", "[guards]") {
+  std::vector<std::string> names;
+  for (const GuardRule& r : openwam::guard_rules()) {
+    names.emplace_back(r.name);
+  }
+  // The avoid rule comes first: check_guards stops at it.
+  CHECK(names == std::vector<std::string>{"bhsq1_backward_plan_segfault",
+                                          "key_tail_nan_dq_9.19", "key_tail_nan_dq",
+                                          "sq1_nan_dk_dv_9.19", "sq1_nan_dk_dv"});
+}
+
+TEST_CASE("guard_rules: every field filled in", "[guards]") {
+  const auto& rules = openwam::guard_rules();
+  REQUIRE_FALSE(rules.empty());
+  std::set<std::string> names;
+  for (const GuardRule& r : rules) {
+    CAPTURE(r.name);
+    for (const char* field : {r.name, r.versions_text, r.defect, r.action, r.source}) {
+      REQUIRE(field != nullptr);
+      CHECK(std::strlen(field) > 0);
+    }
+    CHECK(r.hits != nullptr);
+    CHECK_FALSE(r.versions.empty());
+    // What was measured lies inside what the rule covers.
+    if (!r.measured.empty()) {
+      CHECK(r.versions.contains(r.measured.first));
+      CHECK(r.versions.contains(r.measured.end - 1));
+    }
+    // No rule reaches past the newest version the table knows.
+    CHECK(r.versions.end <= kTooNew);
+    names.insert(r.name);
+  }
+  CHECK(names.size() == rules.size());
+}
+
+TEST_CASE("rule bhsq1_backward_plan_segfault: 9.25.1 up to the newest known",
+          "[guards]") {
+  const GuardRule& r = rule("bhsq1_backward_plan_segfault");
+  CHECK(r.fix == Fix::kAvoidCudnn);
+  CHECK(r.measured.empty());
+  const CallShape hit = shape(1, 1, 1, 300, 64);
+  for (long v : {k9_25_1, k9_26_0, kNewestKnownCudnn}) {
+    CAPTURE(v);
+    CHECK(fires(r, hit, v));
+  }
+  for (long v : {0L, k9_7_1, k9_19_0, k9_25_0, k9_25_1 - 1, kTooNew}) {
+    CAPTURE(v);
+    CHECK_FALSE(r.versions.contains(v));
+  }
+  // The predicate: batch, heads and s_q all 1, whatever else.
+  CHECK(r.hits(shape(1, 1, 1, 2, 8), k9_25_1));
+  CHECK(r.hits(shape(1, 1, 1, 128, 256, true), k9_25_1));
+  CHECK_FALSE(r.hits(shape(2, 1, 1, 300, 64), k9_25_1));
+  CHECK_FALSE(r.hits(shape(1, 2, 1, 300, 64), k9_25_1));
+  CHECK_FALSE(r.hits(shape(1, 1, 2, 300, 64), k9_25_1));
+  CHECK_FALSE(r.hits(shape(4, 8, 16, 300, 64), k9_25_1));
+}
+
+TEST_CASE("rule key_tail_nan_dq_9.19: measured, 9.19.0 at head_dim 64/128", "[guards]") {
+  const GuardRule& r = rule("key_tail_nan_dq_9.19");
+  CHECK(r.fix == Fix::kKeyTail);
+  CHECK(r.versions.contains(k9_19_0));
+  CHECK_FALSE(r.versions.contains(k9_19_0 - 1));
+  CHECK_FALSE(r.versions.contains(k9_19_0 + 1));
+  CHECK(r.measured.contains(k9_19_0));
+  // The predicate: s_kv % 128 == 64, not causal, head_dim 64 or 128.
+  for (int64_t head_dim : {64, 128}) {
+    for (int64_t s_kv : {64, 192, 320, 704, 1088}) {
+      CAPTURE(head_dim, s_kv);
+      CHECK(r.hits(shape(2, 4, 8, s_kv, head_dim), k9_19_0));
+      CHECK(r.hits(shape(1, 1, 1, s_kv, head_dim), k9_19_0));  // degenerate sizes too
+      CHECK_FALSE(r.hits(shape(2, 4, 8, s_kv, head_dim, true), k9_19_0));
+    }
+    for (int64_t s_kv : {2, 63, 65, 77, 128, 256, 300, 383, 392, 512}) {
+      CAPTURE(head_dim, s_kv);
+      CHECK_FALSE(r.hits(shape(2, 4, 8, s_kv, head_dim), k9_19_0));
+    }
+  }
+  for (int64_t head_dim : {8, 32, 96, 256}) {
+    CAPTURE(head_dim);
+    CHECK_FALSE(r.hits(shape(2, 4, 8, 320, head_dim), k9_19_0));
+  }
+  // The predicate itself knows its stack.
+  CHECK_FALSE(r.hits(shape(2, 4, 8, 320, 64), k9_25_1));
+}
+
+TEST_CASE("rule key_tail_nan_dq: conservative, before 9.26.0", "[guards]") {
+  const GuardRule& r = rule("key_tail_nan_dq");
+  CHECK(r.fix == Fix::kKeyTail);
+  CHECK(r.measured.empty());
+  for (long v : {0L, k9_7_1, k9_15_0, k9_19_0, k9_25_1, k9_26_0 - 1}) {
+    CAPTURE(v);
+    CHECK(r.versions.contains(v));
+  }
+  for (long v : {k9_26_0, kNewestKnownCudnn, kTooNew}) {
+    CAPTURE(v);
+    CHECK_FALSE(r.versions.contains(v));
+  }
+  // The predicate: any s_kv % 128 != 0, causal or not...
+  for (int64_t s_kv : {2, 45, 127, 129, 300, 320, 4000}) {
+    CAPTURE(s_kv);
+    CHECK(r.hits(shape(2, 4, 8, s_kv, 64), k9_7_1));
+    CHECK(r.hits(shape(2, 4, 8, s_kv, 64, true), k9_25_1));
+    CHECK(r.hits(shape(1, 1, 1, s_kv, 8), k9_15_0));
+    CHECK(r.hits(shape(2, 4, 8, s_kv, 96), k9_19_0));  // 9.19.0, unmeasured head_dim
+  }
+  for (int64_t s_kv : {128, 256, 1024, 4096}) {
+    CAPTURE(s_kv);
+    CHECK_FALSE(r.hits(shape(2, 4, 8, s_kv, 64), k9_7_1));
+    CHECK_FALSE(r.hits(shape(2, 4, 8, s_kv, 96), k9_19_0));
+  }
+  // ...except on the measured stack, where the row above speaks.
+  for (int64_t head_dim : {64, 128}) {
+    CAPTURE(head_dim);
+    CHECK_FALSE(r.hits(shape(2, 4, 8, 320, head_dim), k9_19_0));
+    CHECK_FALSE(r.hits(shape(2, 4, 8, 300, head_dim), k9_19_0));
+    CHECK(r.hits(shape(2, 4, 8, 300, head_dim), k9_25_1));
+  }
+}
+
+TEST_CASE("rule sq1_nan_dk_dv_9.19: measured, batch 1 and one query row, not causal",
+          "[guards]") {
+  const GuardRule& r = rule("sq1_nan_dk_dv_9.19");
+  CHECK(r.fix == Fix::kPadQuery);
+  CHECK(r.measured.contains(k9_19_0));
+  CHECK(r.versions.contains(k9_19_0));
+  CHECK_FALSE(r.versions.contains(k9_19_0 + 1));
+  CHECK_FALSE(r.versions.contains(k9_25_1));
+  // Batch 1 and s_q 1 at every s_kv (multiples of 128 included), head count
+  // and head_dim; the sweep saw no failure with is_causal.
+  for (int64_t heads : {1, 2, 8}) {
+    for (int64_t s_kv : {2, 64, 128, 300, 1024}) {
+      CAPTURE(heads, s_kv);
+      CHECK(r.hits(shape(1, heads, 1, s_kv, 64), k9_19_0));
+      CHECK_FALSE(r.hits(shape(1, heads, 1, s_kv, 64, true), k9_19_0));
+    }
+  }
+  CHECK_FALSE(r.hits(shape(2, 1, 1, 128, 64), k9_19_0));
+  CHECK_FALSE(r.hits(shape(1, 1, 2, 128, 64), k9_19_0));
+  CHECK_FALSE(r.hits(shape(4, 8, 1, 128, 64), k9_19_0));
+  CHECK_FALSE(r.hits(shape(1, 8, 16, 128, 64), k9_19_0));
+}
+
+TEST_CASE("rule sq1_nan_dk_dv: conservative elsewhere, up to the newest known",
+          "[guards]") {
+  const GuardRule& r = rule("sq1_nan_dk_dv");
+  CHECK(r.fix == Fix::kPadQuery);
+  CHECK(r.measured.empty());
+  for (long v : {0L, k9_7_1, k9_25_1, k9_26_0, kNewestKnownCudnn}) {
+    CAPTURE(v);
+    CHECK(r.versions.contains(v));
+    // Causal included: not measured there.
+    CHECK(r.hits(shape(1, 4, 1, 300, 128, true), v));
+    CHECK(r.hits(shape(1, 1, 1, 128, 64), v));
+    CHECK_FALSE(r.hits(shape(2, 1, 1, 128, 64), v));
+    CHECK_FALSE(r.hits(shape(1, 1, 2, 128, 64), v));
+  }
+  CHECK_FALSE(r.versions.contains(kTooNew));
+  // 9.19.0 has the measured row above.
+  CHECK_FALSE(r.hits(shape(1, 4, 1, 300, 128), k9_19_0));
+}
+
+TEST_CASE("check_guards: no rule for an ordinary call", "[guards]") {
+  for (long v : {k9_7_1, k9_19_0, k9_25_1, k9_26_0, kNewestKnownCudnn}) {
+    CAPTURE(v);
+    const auto verdict = openwam::check_guards(shape(2, 4, 8, 256, 64), v);
+    CHECK(verdict.plan.none());
+    CHECK(verdict.avoid == nullptr);
+    CHECK(verdict.first_hit == nullptr);
+  }
+}
+
+TEST_CASE("check_guards: the key-tail rows repair dQ, with dropout pad the keys",
+          "[guards]") {
+  struct Case {
+    long version;
+    int64_t s_kv, head_dim;
+    bool is_causal;
+    const char* rule;
+  };
+  const Case cases[] = {
+      {k9_19_0, 320, 64, false, "key_tail_nan_dq_9.19"},
+      {k9_19_0, 192, 128, false, "key_tail_nan_dq_9.19"},
+      {k9_19_0, 300, 96, false, "key_tail_nan_dq"},
+      {k9_19_0, 300, 96, true, "key_tail_nan_dq"},
+      {k9_7_1, 300, 64, false, "key_tail_nan_dq"},
+      {k9_25_1, 129, 128, true, "key_tail_nan_dq"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.version, c.s_kv, c.head_dim, c.is_causal);
+    auto verdict = openwam::check_guards(shape(2, 4, 8, c.s_kv, c.head_dim, c.is_causal), c.version);
+    CHECK(verdict.plan.to_string() == "repair_dq");
+    CHECK(verdict.avoid == nullptr);
+    CHECK(name_of(verdict.first_hit) == c.rule);
+
+    verdict = openwam::check_guards(
+        shape(2, 4, 8, c.s_kv, c.head_dim, c.is_causal, 0.25), c.version);
+    CHECK(verdict.plan.to_string() == "pad_keys_forward");
+    CHECK(name_of(verdict.first_hit) == c.rule);
+  }
+}
+
+TEST_CASE("check_guards: a value head_dim of its own pads the keys instead", "[guards]") {
+  // The repair kernel takes one head_dim for query and value.
+  CallShape s = shape(2, 4, 8, 320, 64);
+  s.head_dim_v = 128;
+  auto verdict = openwam::check_guards(s, k9_19_0);
+  CHECK(verdict.plan.to_string() == "pad_keys_backward");
+  CHECK(name_of(verdict.first_hit) == "key_tail_nan_dq_9.19");
+  s.dropout_p = 0.25;
+  CHECK(openwam::check_guards(s, k9_19_0).plan.to_string() == "pad_keys_forward");
+}
+
+TEST_CASE("check_guards: key tail and one query row fold into one plan", "[guards]") {
+  // Batch 1, one query row, s_kv % 128 == 64 on 9.19.0: both defects.
+  auto verdict = openwam::check_guards(shape(1, 2, 1, 320, 64), k9_19_0);
+  CHECK(verdict.plan.to_string() == "repair_dq+pad_query_backward");
+  CHECK(verdict.avoid == nullptr);
+  CHECK(name_of(verdict.first_hit) == "key_tail_nan_dq_9.19");
+
+  // One head too, on 9.19.0 (before the segfault's versions): still both.
+  verdict = openwam::check_guards(shape(1, 1, 1, 320, 64), k9_19_0);
+  CHECK(verdict.plan.to_string() == "repair_dq+pad_query_backward");
+
+  // Only the single-row defect: an aligned key length.
+  verdict = openwam::check_guards(shape(1, 2, 1, 256, 64), k9_19_0);
+  CHECK(verdict.plan.to_string() == "pad_query_backward");
+  CHECK(name_of(verdict.first_hit) == "sq1_nan_dk_dv_9.19");
+  verdict = openwam::check_guards(shape(1, 2, 1, 256, 64), k9_25_1);
+  CHECK(name_of(verdict.first_hit) == "sq1_nan_dk_dv");
+
+  // With dropout the key tail pads the keys instead.
+  verdict = openwam::check_guards(shape(1, 2, 1, 300, 64, false, 0.5), k9_7_1);
+  CHECK(verdict.plan.to_string() == "pad_keys_forward+pad_query_backward");
+  CHECK(name_of(verdict.first_hit) == "key_tail_nan_dq");
+}
+
+TEST_CASE("check_guards: the avoid rule wins and stops", "[guards]") {
+  // On 9.25.1 batch = heads = s_q = 1 with an unaligned key length would hit
+  // the key tail and the single-row rows too: the avoid rule is checked
+  // first and ends the walk, with no plan.
+  for (long v : {k9_25_1, k9_26_0 - 1}) {
+    CAPTURE(v);
+    const auto verdict = openwam::check_guards(shape(1, 1, 1, 300, 64), v);
+    CHECK(name_of(verdict.avoid) == "bhsq1_backward_plan_segfault");
+    CHECK(verdict.first_hit == verdict.avoid);
+    CHECK(verdict.plan.none());
+  }
+  const auto fixed = openwam::check_guards(shape(1, 1, 1, 256, 64), k9_26_0);
+  CHECK(name_of(fixed.avoid) == "bhsq1_backward_plan_segfault");
+  CHECK(fixed.plan.none());
+  // Two heads: no segfault, both fixes.
+  const auto two_heads = openwam::check_guards(shape(1, 2, 1, 300, 64), k9_25_1);
+  CHECK(two_heads.avoid == nullptr);
+  CHECK(two_heads.plan.to_string() == "repair_dq+pad_query_backward");
+}
+
+TEST_CASE("check_guards: a cuDNN newer than the table knows gets no rule", "[guards]") {
+  const CallShape worst[] = {
+      shape(1, 1, 1, 300, 64), shape(1, 4, 1, 320, 64), shape(2, 4, 8, 320, 64),
+      shape(2, 4, 8, 300, 96, true, 0.25), shape(1, 1, 1, 128, 128)};
+  for (long v : {kTooNew, cudnn_version(9, 27, 0), cudnn_version(10, 0, 0)}) {
+    for (const CallShape& s : worst) {
+      CAPTURE(v, s.batch, s.heads, s.s_q, s.s_kv, s.head_dim);
+      const auto verdict = openwam::check_guards(s, v);
+      CHECK(verdict.plan.none());
+      CHECK(verdict.avoid == nullptr);
+      CHECK(verdict.first_hit == nullptr);
+    }
+  }
+  // The newest known version itself is still guarded.
+  CHECK(openwam::check_guards(shape(1, 1, 1, 300, 64), kNewestKnownCudnn).avoid != nullptr);
+  CHECK(openwam::check_guards(shape(1, 4, 1, 300, 64), kNewestKnownCudnn)
+            .plan.to_string() == "pad_query_backward");
+}
 
 TEST_CASE("key_tail_defect on cuDNN 9.19.0, head_dim 64/128: only r == 64, not causal",
           "[guards]") {
@@ -56,8 +361,8 @@ TEST_CASE("key_tail_defect on cuDNN 9.19.0, head_dim 64/128: only r == 64, not c
       for (int64_t r = 1; r < 128; ++r) {
         const int64_t s_kv = base + r;
         CAPTURE(head_dim, s_kv);
-        CHECK(openwam::key_tail_defect(91900, s_kv, head_dim, false) == (r == 64));
-        CHECK_FALSE(openwam::key_tail_defect(91900, s_kv, head_dim, true));
+        CHECK(openwam::key_tail_defect(k9_19_0, s_kv, head_dim, false) == (r == 64));
+        CHECK_FALSE(openwam::key_tail_defect(k9_19_0, s_kv, head_dim, true));
       }
     }
   }
@@ -67,7 +372,8 @@ TEST_CASE("key_tail_defect on cuDNN 9.19.0, other head_dims: any remainder", "[g
   for (int64_t head_dim : {32, 96, 256}) {
     for (int64_t r = 1; r < 128; ++r) {
       CAPTURE(head_dim, r);
-      CHECK(openwam::key_tail_defect(91900, 256 + r, head_dim, false));
+      CHECK(openwam::key_tail_defect(k9_19_0, 256 + r, head_dim, false));
+      CHECK(openwam::key_tail_defect(k9_19_0, 256 + r, head_dim, true));
     }
   }
 }
@@ -84,7 +390,7 @@ TEST_CASE("key_tail_defect before the fix: every remainder", "[guards]") {
 }
 
 TEST_CASE("key_tail_defect from 9.26.0 on, and on multiples of 128: never", "[guards]") {
-  for (long version : {92600L, 92601L, 92700L, 100000L}) {
+  for (long version : {92600L, 92601L, 92699L, 92700L, 100000L}) {
     for (int64_t r = 0; r < 128; ++r) {
       CAPTURE(version, r);
       CHECK_FALSE(openwam::key_tail_defect(version, 256 + r, 64, false));
@@ -101,162 +407,31 @@ TEST_CASE("key_tail_defect from 9.26.0 on, and on multiples of 128: never", "[gu
   }
 }
 
-TEST_CASE("repair_supported follows the build", "[guards]") {
-  const auto in = make_inputs(8, 320, 64);
-#ifdef OPENWAM_WITH_CUDA
-  CHECK(openwam::repair_supported(in));
-  CHECK_FALSE(openwam::repair_supported(make_inputs(8, 320, 64, true, 0.25)));
-#else
-  CHECK_FALSE(openwam::repair_supported(in));
-#endif
+TEST_CASE("key_tail_defect ignores the other rows", "[guards]") {
+  // The single-row and segfault rows would fire for key_tail_defect's
+  // placeholder shape (batch, heads and s_q 1); an aligned key length on an
+  // affected version must still answer false.
+  CHECK_FALSE(openwam::key_tail_defect(k9_25_1, 256, 64, false));
+  CHECK_FALSE(openwam::key_tail_defect(k9_19_0, 256, 64, false));
 }
 
-TEST_CASE("plan_for_cudnn: OPENWAM_SDPA_PAD=never", "[guards]") {
-  const auto in = make_inputs(8, 320, 64);  // affected on 9.19.0
-  const openwam::GuardRule* rule = sentinel();
-  CHECK(openwam::plan_for_cudnn(in, settings_with(openwam::PadMode::kNever), 91900,
-                                &rule) == Plan::kNone);
-  CHECK(rule == nullptr);
-}
-
-TEST_CASE("plan_for_cudnn: OPENWAM_SDPA_PAD=always", "[guards]") {
-  const auto always = settings_with(openwam::PadMode::kAlways);
-  const openwam::GuardRule* rule = sentinel();
-  // Unaffected shapes and versions are padded too.
-  for (long version : {91900L, 92700L}) {
-    CAPTURE(version);
-    CHECK(openwam::plan_for_cudnn(make_inputs(8, 300, 64), always, version, &rule) ==
-          Plan::kPadBackward);
-    CHECK(rule == nullptr);
-    CHECK(openwam::plan_for_cudnn(make_inputs(8, 300, 64, true, 0.25), always, version,
-                                  &rule) == Plan::kPadForward);
-    CHECK(rule == nullptr);
-  }
-  // Nothing to pad on a multiple of 128.
-  CHECK(openwam::plan_for_cudnn(make_inputs(8, 256, 64), always, 91900, &rule) ==
-        Plan::kNone);
-}
-
-TEST_CASE("plan_for_cudnn: auto on unaffected calls", "[guards]") {
-  const auto automatic = settings_with(openwam::PadMode::kAuto);
-  const openwam::GuardRule* rule = sentinel();
-  CHECK(openwam::plan_for_cudnn(make_inputs(8, 300, 64), automatic, 91900, &rule) ==
-        Plan::kNone);
-  CHECK(rule == nullptr);
-  rule = sentinel();
-  CHECK(openwam::plan_for_cudnn(make_inputs(8, 320, 64, true, 0.0, true), automatic,
-                                91900, &rule) == Plan::kNone);
-  CHECK(rule == nullptr);
-  rule = sentinel();
-  CHECK(openwam::plan_for_cudnn(make_inputs(8, 320, 64), automatic, 92600, &rule) ==
-        Plan::kNone);
-  CHECK(rule == nullptr);
-  rule = sentinel();
-  CHECK(openwam::plan_for_cudnn(make_inputs(8, 384, 96), automatic, 90701, &rule) ==
-        Plan::kNone);
-  CHECK(rule == nullptr);
-}
-
-TEST_CASE("plan_for_cudnn: auto on affected calls", "[guards]") {
-  const auto automatic = settings_with(openwam::PadMode::kAuto);
-  struct Case {
-    long version;
-    int64_t s_kv, head_dim;
-    const char* rule;
-  };
-  const Case cases[] = {
-      {91900, 320, 64, "key_tail_nan_dq_9.19"},
-      {91900, 192, 128, "key_tail_nan_dq_9.19"},
-      {91900, 300, 96, "key_tail_nan_dq"},
-      {90701, 300, 64, "key_tail_nan_dq"},
-      {92501, 129, 128, "key_tail_nan_dq"},
-  };
-  for (const Case& c : cases) {
-    CAPTURE(c.version, c.s_kv, c.head_dim);
-    const auto in = make_inputs(8, c.s_kv, c.head_dim);
-    const openwam::GuardRule* rule = nullptr;
-    const Plan expected =
-        openwam::repair_supported(in) ? Plan::kRepairDq : Plan::kPadBackward;
-    CHECK(openwam::plan_for_cudnn(in, automatic, c.version, &rule) == expected);
-#ifndef OPENWAM_WITH_CUDA
-    CHECK(expected == Plan::kPadBackward);
-#endif
-    CHECK(rule_name(rule) == c.rule);
-
-    rule = nullptr;
-    const auto dropout = make_inputs(8, c.s_kv, c.head_dim, true, 0.25);
-    CHECK(openwam::plan_for_cudnn(dropout, automatic, c.version, &rule) ==
-          Plan::kPadForward);
-    CHECK(rule_name(rule) == c.rule);
-  }
-}
-
-TEST_CASE("guard_rules: every field filled in", "[guards]") {
+TEST_CASE("warn_once: one warning per rule per process", "[guards]") {
+  struct Collect : c10::WarningHandler {
+    std::vector<std::string> messages;
+    void process(const c10::Warning& w) override { messages.push_back(w.msg()); }
+  } collect;
+  c10::WarningUtils::WarningHandlerGuard guard(&collect);
   const auto& rules = openwam::guard_rules();
-  REQUIRE_FALSE(rules.empty());
-  for (const auto& rule : rules) {
-    for (const char* field : {rule.name, rule.versions, rule.defect, rule.action,
-                              rule.source}) {
-      REQUIRE(field != nullptr);
-      CHECK(std::strlen(field) > 0);
+  for (int round = 0; round < 3; ++round) {
+    for (const GuardRule& r : rules) {
+      openwam::warn_once(r);
     }
   }
-}
-
-TEST_CASE("rule_avoiding_cudnn: cuDNN 9.25.1 - 9.26.x defects", "[guards]") {
-  at::AutoGradMode grad_on(true);
-  SECTION("B == H == s_q == 1: plan segfault") {
-    const auto in = make_inputs(1, 300, 64, true, 0.0, false, 1, 1);
-    for (long version : {92501L, 92600L, 92699L}) {
-      CAPTURE(version);
-      CHECK(rule_name(openwam::rule_avoiding_cudnn(in, version)) == "bhsq1_plan_segfault");
-    }
-    // 3-D [N, L, E] has one head.
-    openwam::SdpaInputs three_d;
-    const auto opts = at::TensorOptions().dtype(at::kDouble);
-    three_d.query = at::zeros({1, 1, 64}, opts).requires_grad_(true);
-    three_d.key = at::zeros({1, 300, 64}, opts).requires_grad_(true);
-    three_d.value = at::zeros({1, 300, 64}, opts).requires_grad_(true);
-    CHECK(rule_name(openwam::rule_avoiding_cudnn(three_d, 92501)) == "bhsq1_plan_segfault");
+  REQUIRE(collect.messages.size() == rules.size());
+  for (size_t i = 0; i < rules.size(); ++i) {
+    CAPTURE(collect.messages[i]);
+    CHECK_THAT(collect.messages[i], Catch::Matchers::Contains(rules[i].name) &&
+                                        Catch::Matchers::Contains(rules[i].source) &&
+                                        Catch::Matchers::Contains(rules[i].action));
   }
-  SECTION("s_q == 1, s_kv == 128: NaN dK/dV") {
-    const auto in = make_inputs(1, 128, 64, true, 0.0, false, 2, 4);
-    CHECK(rule_name(openwam::rule_avoiding_cudnn(in, 92501)) == "sq1_dkdv_nan");
-    CHECK(rule_name(openwam::rule_avoiding_cudnn(in, 92600)) == "sq1_dkdv_nan");
-  }
-  SECTION("outside the versions or the shapes: none") {
-    const auto segv = make_inputs(1, 300, 64, true, 0.0, false, 1, 1);
-    const auto nan = make_inputs(1, 128, 64, true, 0.0, false, 2, 4);
-    for (long version : {0L, 91900L, 92500L, 92700L}) {
-      CAPTURE(version);
-      CHECK(openwam::rule_avoiding_cudnn(segv, version) == nullptr);
-      CHECK(openwam::rule_avoiding_cudnn(nan, version) == nullptr);
-    }
-    CHECK(openwam::rule_avoiding_cudnn(make_inputs(1, 129, 64, true, 0.0, false, 2, 4),
-                                       92501) == nullptr);
-    // s_q == 1 alone (B or H > 1, s_kv != 128) is fine.
-    CHECK(openwam::rule_avoiding_cudnn(make_inputs(1, 300, 64, true, 0.0, false, 2, 1),
-                                       92501) == nullptr);
-    CHECK(openwam::rule_avoiding_cudnn(make_inputs(1, 300, 64, true, 0.0, false, 1, 2),
-                                       92501) == nullptr);
-    CHECK(openwam::rule_avoiding_cudnn(make_inputs(2, 300, 64, true, 0.0, false, 1, 1),
-                                       92501) == nullptr);
-    CHECK(openwam::rule_avoiding_cudnn(make_inputs(2, 128, 64, true, 0.0, false, 2, 4),
-                                       92501) == nullptr);
-  }
-  SECTION("not differentiated: none") {
-    const auto no_grad = make_inputs(1, 128, 64, false, 0.0, false, 1, 1);
-    CHECK(openwam::rule_avoiding_cudnn(no_grad, 92501) == nullptr);
-    const auto in = make_inputs(1, 128, 64, true, 0.0, false, 1, 1);
-    at::AutoGradMode grad_off(false);
-    CHECK(openwam::rule_avoiding_cudnn(in, 92501) == nullptr);
-  }
-}
-
-TEST_CASE("Plan names", "[guards]") {
-  CHECK(std::string(openwam::to_string(Plan::kNone)) == "none");
-  CHECK(std::string(openwam::to_string(Plan::kRepairDq)) == "repair_dq");
-  CHECK(std::string(openwam::to_string(Plan::kPadBackward)) == "pad_backward");
-  CHECK(std::string(openwam::to_string(Plan::kPadForward)) == "pad_forward");
-  CHECK(std::string(openwam::to_string(Plan::kPadInputs)) == "pad_inputs");
 }

@@ -1,48 +1,30 @@
-// The padding shim (csrc/padding.h): padded_length, pad_dim, additive_bias,
-// pad_keys, pad_keys_for_call. CPU, float64 where numerical.
+// The padding shim (csrc/padding.h): padded_length, pad_dim, pad_keys, on
+// the CPU, float64 where numerical. (The causal folding the cuDNN path's
+// plans add on top is tested with the leaf ops, test_leaf_ops.cpp.)
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 
-#include <cmath>
 #include <limits>
-#include <string>
 #include <vector>
 
+#include "cudnn_attention.h"
 #include "padding.h"
-
-// Catch2 last: c10/util/logging_is_not_google_glog.h defines a glog-style
-// CHECK that aborts; catch.hpp's CHECK must be the one in force.
-#undef CHECK
-#include <catch2/catch.hpp>
+#include "support.h"
 
 using Catch::Matchers::Contains;
+using openwam_test::kF64;
+using openwam_test::max_abs_diff;
 
 namespace {
 
-const auto kF64 = at::TensorOptions().dtype(at::kDouble);
+bool all_equal(const at::Tensor& t, double value) { return t.eq(value).all().item<bool>(); }
 
-double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
-  REQUIRE(a.sizes() == b.sizes());
-  return (a - b).abs().max().item<double>();
-}
+bool all_neg_inf(const at::Tensor& t) { return t.isneginf().all().item<bool>(); }
 
-bool all_equal(const at::Tensor& t, double value) {
-  return t.eq(value).all().item<bool>();
-}
-
-bool all_neg_inf(const at::Tensor& t) {
-  return (t.isinf() & t.lt(0)).all().item<bool>();
-}
-
-// softmax(q k^T * scale + bias) v, bias additive (undefined: none).
-at::Tensor reference_attention(const at::Tensor& q, const at::Tensor& k,
-                               const at::Tensor& v, const at::Tensor& bias) {
-  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * scale;
-  if (bias.defined()) {
-    scores = scores + bias;
-  }
-  return at::matmul(at::softmax(scores, -1), v);
+// ATen's math attention (differentiable) with an additive bias or none.
+at::Tensor math_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const std::optional<at::Tensor>& bias) {
+  return std::get<0>(at::_scaled_dot_product_attention_math(q, k, v, bias));
 }
 
 }  // namespace
@@ -58,11 +40,13 @@ TEST_CASE("padded_length rounds up to the multiple", "[padding]") {
   CHECK(openwam::padded_length(65, 64) == 128);
 }
 
-TEST_CASE("padded_length rejects a non-positive multiple", "[padding]") {
-  CHECK_THROWS_AS(openwam::padded_length(10, 0), c10::Error);
-  CHECK_THROWS_WITH(openwam::padded_length(10, 0), Contains("multiple"));
-  CHECK_THROWS_WITH(openwam::padded_length(10, -128), Contains("multiple"));
-  CHECK_THROWS_AS(openwam::padded_length(-1, 128), c10::Error);
+TEST_CASE("padded_length rejects a non-positive multiple or length", "[padding]") {
+  CHECK(openwam_test::error_of([] { openwam::padded_length(10, 0); }) ==
+        "openwam::pad_keys: multiple must be a positive integer, got 0");
+  CHECK(openwam_test::error_of([] { openwam::padded_length(10, -128); }) ==
+        "openwam::pad_keys: multiple must be a positive integer, got -128");
+  CHECK(openwam_test::error_of([] { openwam::padded_length(-1, 128); }) ==
+        "openwam::pad_keys: length must be >= 0, got -1");
 }
 
 TEST_CASE("pad_dim keeps the stride order of a BSHD view", "[padding]") {
@@ -105,8 +89,19 @@ TEST_CASE("pad_dim keeps stride-0 broadcast axes", "[padding]") {
   CHECK(p.narrow(2, 0, S).equal(t));
   CHECK(all_equal(p.narrow(2, S, S_pad - S), 0.0));
   // Stored once: the buffer holds B * S_pad * D elements, not H times that.
-  CHECK(p.storage().nbytes() ==
-        static_cast<size_t>(B * S_pad * D) * sizeof(double));
+  CHECK(p.storage().nbytes() == static_cast<size_t>(B * S_pad * D) * sizeof(double));
+}
+
+TEST_CASE("pad_dim along an axis the tensor is broadcast on keeps the last dim "
+          "contiguous", "[padding]") {
+  // A key mask [1, 1, 1, 1] expanded to [1, 1, 1, S]: padding the key axis.
+  at::Tensor t = at::ones({1, 1, 3, 1}, kF64).expand({1, 1, 3, 5});
+  REQUIRE(t.stride(-1) == 0);
+  at::Tensor p = openwam::pad_dim(t, -1, 8, -1.0);
+  CHECK(p.sizes() == at::IntArrayRef({1, 1, 3, 8}));
+  CHECK(p.stride(-1) == 1);
+  CHECK(all_equal(p.narrow(-1, 0, 5), 1.0));
+  CHECK(all_equal(p.narrow(-1, 5, 3), -1.0));
 }
 
 TEST_CASE("pad_dim returns the same tensor when nothing grows", "[padding]") {
@@ -114,36 +109,6 @@ TEST_CASE("pad_dim returns the same tensor when nothing grows", "[padding]") {
   at::Tensor p = openwam::pad_dim(t, 1, t.size(1), 0);
   CHECK(p.is_same(t));
   CHECK(p.data_ptr() == t.data_ptr());
-}
-
-TEST_CASE("additive_bias: bool mask becomes 0 / -inf", "[padding]") {
-  // [B, 1, L, S] with a broadcast head axis; the shape must be kept.
-  at::Tensor mask = at::rand({2, 1, 3, 5}, kF64).gt(0.5);
-  mask.select(-1, 0).fill_(true);
-  mask.select(-1, 1).fill_(false);
-  for (auto dtype : {at::kDouble, at::kFloat, at::kHalf, at::kBFloat16}) {
-    at::Tensor bias = openwam::additive_bias(mask, dtype);
-    CHECK(bias.scalar_type() == dtype);
-    CHECK(bias.sizes() == mask.sizes());
-    at::Tensor b = bias.to(at::kDouble);
-    CHECK(all_equal(b.masked_select(mask), 0.0));
-    CHECK(all_neg_inf(b.masked_select(mask.logical_not())));
-  }
-  // A key-padding mask [1, S] stays [1, S].
-  at::Tensor key_mask = at::arange(6).lt(4).view({1, 6});
-  CHECK(openwam::additive_bias(key_mask, at::kDouble).sizes() ==
-        at::IntArrayRef({1, 6}));
-}
-
-TEST_CASE("additive_bias: additive mask is cast", "[padding]") {
-  at::Tensor mask = at::randn({3, 5}, at::TensorOptions().dtype(at::kFloat));
-  at::Tensor bias = openwam::additive_bias(mask, at::kDouble);
-  CHECK(bias.scalar_type() == at::kDouble);
-  CHECK(bias.sizes() == mask.sizes());
-  CHECK(bias.equal(mask.to(at::kDouble)));
-  // Already in the requested dtype: no copy.
-  at::Tensor same = openwam::additive_bias(bias, at::kDouble);
-  CHECK(same.is_same(bias));
 }
 
 TEST_CASE("pad_keys: key/value shapes, strides and zero tail", "[padding]") {
@@ -209,9 +174,12 @@ TEST_CASE("pad_keys: masks are padded in their own kind", "[padding]") {
     at::Tensor v2 = at::randn({B, H, 256, D}, kF64);
     at::Tensor m = at::rand({B, 1, L, 256}, kF64).gt(0.5);
     auto [kp, vp, mp] = openwam::pad_keys(k2, v2, m, 128);
-    CHECK(kp.equal(k2));
-    CHECK(vp.equal(v2));
+    CHECK(kp.is_same(k2));
+    CHECK(vp.is_same(v2));
     CHECK(mp.equal(m));
+    auto [kn, vn, mn] = openwam::pad_keys(k2, v2, std::nullopt, 128);
+    CHECK(mn.sizes() == at::IntArrayRef({1, 256}));
+    CHECK(mn.all().item<bool>());
   }
   SECTION("other multiples") {
     auto [kp, vp, mp] = openwam::pad_keys(k, v, std::nullopt, 64);
@@ -238,13 +206,23 @@ TEST_CASE("pad_keys: 3-D inputs keep their rank", "[padding]") {
 TEST_CASE("pad_keys rejects bad arguments", "[padding]") {
   at::Tensor k = at::randn({2, 9, 4}, kF64);
   at::Tensor v = at::randn({2, 9, 4}, kF64);
-  CHECK_THROWS_WITH(openwam::pad_keys(k, v, std::nullopt, 0), Contains("multiple"));
-  CHECK_THROWS_WITH(openwam::pad_keys(k, at::randn({2, 8, 4}, kF64), std::nullopt, 128),
-                    Contains("value"));
-  CHECK_THROWS_WITH(openwam::pad_keys(k, v, at::ones({2, 5, 8}, at::kBool), 128),
-                    Contains("attn_mask"));
-  CHECK_THROWS_WITH(openwam::pad_keys(k, v, at::ones({2, 5, 9}, at::kInt), 128),
-                    Contains("attn_mask"));
+  const auto error = [](auto&& f) { return openwam_test::error_of(f); };
+  CHECK(error([&] { openwam::pad_keys(k, v, std::nullopt, 0); }) ==
+        "openwam::pad_keys: multiple must be a positive integer, got 0");
+  CHECK(error([&] { openwam::pad_keys(k[0][0], v, std::nullopt, 128); }) ==
+        "openwam::pad_keys: key must have at least 2 dims [..., S, E], got 1-D");
+  CHECK(error([&] { openwam::pad_keys(k, v[0][0], std::nullopt, 128); }) ==
+        "openwam::pad_keys: value must have at least 2 dims [..., S, Ev], got 1-D");
+  CHECK(error([&] { openwam::pad_keys(k, v[0], std::nullopt, 128); }) ==
+        "openwam::pad_keys: value must have key's rank (3-D), got 2-D");
+  CHECK(error([&] { openwam::pad_keys(k, at::randn({2, 8, 4}, kF64), std::nullopt, 128); }) ==
+        "openwam::pad_keys: value must have the same sequence length as key (9), got 8");
+  CHECK(error([&] { openwam::pad_keys(k, v, at::ones({2, 5, 8}, at::kBool), 128); }) ==
+        "openwam::pad_keys: attn_mask's last dim must be the key length (9) or 1, got 8");
+  CHECK(error([&] { openwam::pad_keys(k, v, at::ones({2, 5, 9}, at::kInt), 128); }) ==
+        "openwam::pad_keys: attn_mask must be bool or floating point, got Int");
+  CHECK(error([&] { openwam::pad_keys(k, v, at::ones({}, at::kBool), 128); }) ==
+        "openwam::pad_keys: attn_mask must have at least 1 dim, got 0-D");
 }
 
 TEST_CASE("pad_keys is exact in float64: outputs and gradients", "[padding][numerics]") {
@@ -265,16 +243,17 @@ TEST_CASE("pad_keys is exact in float64: outputs and gradients", "[padding][nume
   }
   CAPTURE(kind);
 
-  const at::Tensor bias =
-      mask.has_value() ? openwam::additive_bias(*mask, at::kDouble) : at::Tensor();
-  at::Tensor out = reference_attention(q, k, v, bias);
+  std::optional<at::Tensor> bias;
+  if (mask.has_value()) {
+    bias = openwam::cudnn_bias(*mask, at::kDouble, 4, S);
+  }
+  at::Tensor out = math_attention(q, k, v, bias);
   auto grads = torch::autograd::grad({out}, {q, k, v}, {grad_out});
 
   auto [kp, vp, mp] = openwam::pad_keys(k, v, mask, 128);
   REQUIRE(kp.size(2) == 128);
-  at::Tensor out_p =
-      reference_attention(q, kp, vp, openwam::additive_bias(mp, at::kDouble));
-  auto grads_p = torch::autograd::grad({out_p}, {q, k, v}, {grad_out});
+  at::Tensor out_p = math_attention(q, kp, vp, openwam::cudnn_bias(mp, at::kDouble, 4, 128));
+  auto grads_p = torch::autograd::grad({out_p}, {q, k, v}, {grad_out}, /*retain_graph=*/true);
 
   CHECK(max_abs_diff(out_p, out) <= 1e-12);
   for (size_t i = 0; i < 3; ++i) {
@@ -282,58 +261,49 @@ TEST_CASE("pad_keys is exact in float64: outputs and gradients", "[padding][nume
     REQUIRE(grads_p[i].defined());
     CHECK(max_abs_diff(grads_p[i], grads[i]) <= 1e-12);
   }
-
-  // Also against ATen's math reference on the unpadded inputs (it adds the
-  // mask as given: bool masks are converted by its caller, F.sdpa).
-  std::optional<at::Tensor> math_bias;
-  if (bias.defined()) math_bias = bias;
-  auto ref = at::_scaled_dot_product_attention_math(q, k, v, math_bias);
-  const double diff_math = max_abs_diff(out_p, std::get<0>(ref));
-  CAPTURE(diff_math);
-  CHECK(diff_math <= 1e-12);
+  // The padded keys and values get exactly zero gradient.
+  auto tail = torch::autograd::grad({out_p}, {kp, vp}, {grad_out});
+  CHECK(all_equal(tail[0].narrow(2, S, 128 - S), 0.0));
+  CHECK(all_equal(tail[1].narrow(2, S, 128 - S), 0.0));
 }
 
-TEST_CASE("pad_keys_for_call folds a top-left causal mask", "[padding][numerics]") {
-  const int64_t B = 2, H = 2, D = 8;
-  const auto [L, S] = GENERATE(table<int64_t, int64_t>({{5, 5}, {3, 9}, {9, 3}, {4, 130}}));
-  CAPTURE(L, S);
-  at::Tensor q = at::randn({B, H, L, D}, kF64).requires_grad_(true);
-  at::Tensor k = at::randn({B, H, S, D}, kF64).requires_grad_(true);
-  at::Tensor v = at::randn({B, H, S, D}, kF64).requires_grad_(true);
+TEST_CASE("openwam::pad_keys through the dispatcher", "[padding][dispatcher]") {
+  at::Tensor k = at::randn({2, 3, 45, 8}, kF64).requires_grad_(true);
+  at::Tensor v = at::randn({2, 3, 45, 8}, kF64).requires_grad_(true);
+  at::Tensor m = at::rand({2, 1, 5, 45}, kF64).gt(0.5);
+  auto [kp, vp, mp] = openwam_test::pad_keys_op().call(k, v, m, 128);
+  auto [kd, vd, md] = openwam::pad_keys(k, v, m, 128);
+  CHECK(kp.sizes() == at::IntArrayRef({2, 3, 128, 8}));
+  CHECK(kp.equal(kd));
+  CHECK(vp.equal(vd));
+  CHECK(mp.equal(md));
+  CHECK(mp.scalar_type() == at::kBool);
 
-  openwam::PaddedKeys p = openwam::pad_keys_for_call(q, k, v, std::nullopt, true);
-  const int64_t S_pad = openwam::padded_length(S, 128);
-  REQUIRE(p.key.size(2) == S_pad);
-  REQUIRE(p.mask.scalar_type() == at::kBool);
-  REQUIRE(p.mask.dim() >= 2);
-  REQUIRE(p.mask.size(-1) == S_pad);
-  at::Tensor expected =
-      at::arange(S_pad).view({1, S_pad}).le(at::arange(L).view({L, 1})) &
-      at::arange(S_pad).lt(S).view({1, S_pad});
-  CHECK(p.mask.expand({L, S_pad}).equal(expected));
+  // Differentiable in key/value: the tail's gradient is dropped.
+  REQUIRE(kp.requires_grad());
+  at::Tensor w = at::randn_like(kp);
+  auto grads = torch::autograd::grad({(kp * w).sum() + vp.sum()}, {k, v});
+  CHECK(grads[0].equal(w.narrow(2, 0, 45)));
+  CHECK(grads[1].equal(at::ones_like(v)));
 
-  // Numerically the causal call: F.sdpa's is_causal is top-left aligned.
-  at::Tensor grad_out = at::randn({B, H, L, D}, kF64);
-  at::Tensor out = at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, true);
-  auto grads = torch::autograd::grad({out}, {q, k, v}, {grad_out});
-  at::Tensor out_p =
-      reference_attention(q, p.key, p.value, openwam::additive_bias(p.mask, at::kDouble));
-  auto grads_p = torch::autograd::grad({out_p}, {q, k, v}, {grad_out});
-  CHECK(max_abs_diff(out_p, out) <= 1e-12);
-  for (size_t i = 0; i < 3; ++i) {
-    CAPTURE(i);
-    CHECK(max_abs_diff(grads_p[i], grads[i]) <= 1e-12);
-  }
-}
+  // ...and in an additive mask.
+  at::Tensor add = at::randn({5, 45}, kF64).requires_grad_(true);
+  auto [ka, va, ma] = openwam_test::pad_keys_op().call(k, v, add, 128);
+  REQUIRE(ma.requires_grad());
+  auto mask_grad = torch::autograd::grad({ma.narrow(-1, 0, 45).sum()}, {add});
+  CHECK(mask_grad[0].equal(at::ones_like(add)));
 
-TEST_CASE("pad_keys_for_call without is_causal is pad_keys at 128", "[padding]") {
-  at::Tensor q = at::randn({2, 5, 4}, kF64);
-  at::Tensor k = at::randn({2, 9, 4}, kF64);
-  at::Tensor v = at::randn({2, 9, 4}, kF64);
-  at::Tensor m = at::rand({2, 5, 9}, kF64).gt(0.5);
-  openwam::PaddedKeys p = openwam::pad_keys_for_call(q, k, v, m, false);
-  auto [kp, vp, mp] = openwam::pad_keys(k, v, m, openwam::kCudnnKeyTile);
-  CHECK(p.key.equal(kp));
-  CHECK(p.value.equal(vp));
-  CHECK(p.mask.equal(mp));
+  auto [kn, vn, mn] = openwam_test::pad_keys_op().call(k, v, std::nullopt, 64);
+  CHECK(kn.size(2) == 64);
+  CHECK(mn.sizes() == at::IntArrayRef({1, 64}));
+  CHECK_THROWS_WITH(openwam_test::pad_keys_op().call(k, v, std::nullopt, 0),
+                    Contains("multiple"));
+
+  // Meta tensors: shapes and strides without data.
+  const at::Tensor km = at::empty_strided(k.sizes(), k.strides(), k.options().device(at::kMeta));
+  auto [kpm, vpm, mpm] = openwam_test::pad_keys_op().call(km, km, std::nullopt, 128);
+  CHECK(kpm.is_meta());
+  CHECK(kpm.sizes() == kp.sizes());
+  CHECK(kpm.strides() == kp.strides());
+  CHECK(mpm.sizes() == at::IntArrayRef({1, 128}));
 }

@@ -1,41 +1,41 @@
-// Settings read from the environment (csrc/settings.h).
+// The settings (csrc/settings.h): parsing every valid and invalid value of
+// the three variables, and the cache (read once, reload_settings re-reads).
 #include <c10/util/Exception.h>
 
-#include <cstdlib>
-#include <optional>
 #include <string>
 
 #include "settings.h"
-
-// Catch2 last: c10/util/logging_is_not_google_glog.h defines a glog-style
-// CHECK that aborts; catch.hpp's CHECK must be the one in force.
-#undef CHECK
-#include <catch2/catch.hpp>
-
-#include "scoped_env.h"
+#include "support.h"
+#include "env.h"
 
 using Catch::Matchers::Contains;
 using openwam::CudnnPreference;
 using openwam::PadMode;
+using openwam::Settings;
+using openwam_test::kCheckFiniteVar;
+using openwam_test::kCudnnVar;
+using openwam_test::kPadVar;
+using openwam_test::ScopedEnv;
+using openwam_test::ScopedSettings;
 
 namespace {
 
-constexpr const char* kCudnn = "OPENWAM_SDPA_CUDNN";
-constexpr const char* kPad = "OPENWAM_SDPA_PAD";
-constexpr const char* kCheck = "OPENWAM_SDPA_CHECK_FINITE";
-
-// All three unset for the duration of a test.
+// All three unset for the duration of a test (the cache untouched).
 struct CleanEnv {
-  ScopedEnv cudnn{kCudnn, nullptr};
-  ScopedEnv pad{kPad, nullptr};
-  ScopedEnv check{kCheck, nullptr};
+  ScopedEnv cudnn{kCudnnVar, nullptr};
+  ScopedEnv pad{kPadVar, nullptr};
+  ScopedEnv check{kCheckFiniteVar, nullptr};
 };
+
+std::string parse_error() {
+  return openwam_test::error_of([] { openwam::settings_from_environment(); });
+}
 
 }  // namespace
 
 TEST_CASE("settings: defaults with nothing set", "[settings]") {
   CleanEnv clean;
-  const openwam::Settings s = openwam::current_settings();
+  const Settings s = openwam::settings_from_environment();
   CHECK(s.cudnn == CudnnPreference::kFollowPyTorch);
   CHECK(s.pad == PadMode::kAuto);
   CHECK_FALSE(s.check_finite);
@@ -43,88 +43,169 @@ TEST_CASE("settings: defaults with nothing set", "[settings]") {
 
 TEST_CASE("settings: empty values mean unset", "[settings]") {
   CleanEnv clean;
-  ScopedEnv cudnn(kCudnn, "");
-  ScopedEnv pad(kPad, "");
-  ScopedEnv check(kCheck, "");
-  const openwam::Settings s = openwam::current_settings();
+  ScopedEnv cudnn(kCudnnVar, "");
+  ScopedEnv pad(kPadVar, "");
+  ScopedEnv check(kCheckFiniteVar, "");
+  const Settings s = openwam::settings_from_environment();
   CHECK(s.cudnn == CudnnPreference::kFollowPyTorch);
   CHECK(s.pad == PadMode::kAuto);
   CHECK_FALSE(s.check_finite);
 }
 
-TEST_CASE("settings: OPENWAM_SDPA_CUDNN", "[settings]") {
+TEST_CASE("settings: OPENWAM_SDPA_CUDNN values", "[settings]") {
   CleanEnv clean;
-  {
-    ScopedEnv e(kCudnn, "1");
-    CHECK(openwam::current_settings().cudnn == CudnnPreference::kPrefer);
-  }
-  {
-    ScopedEnv e(kCudnn, "0");
-    CHECK(openwam::current_settings().cudnn == CudnnPreference::kNever);
-  }
-  // Read on every call: back to the default once unset.
-  CHECK(openwam::current_settings().cudnn == CudnnPreference::kFollowPyTorch);
-  for (const char* bad : {"2", "yes", "true", " 1", "01"}) {
+  ScopedEnv e(kCudnnVar, "1");
+  CHECK(openwam::settings_from_environment().cudnn == CudnnPreference::kPrefer);
+  e.set("0");
+  CHECK(openwam::settings_from_environment().cudnn == CudnnPreference::kNever);
+  e.set(nullptr);
+  CHECK(openwam::settings_from_environment().cudnn == CudnnPreference::kFollowPyTorch);
+  for (const char* bad : {"2", "yes", "true", "on", " 1", "1 ", "01", "-1", "auto"}) {
     CAPTURE(bad);
-    ScopedEnv e(kCudnn, bad);
-    CHECK_THROWS_AS(openwam::current_settings(), c10::Error);
-    CHECK_THROWS_WITH(openwam::current_settings(),
-                      Contains(kCudnn) && Contains("'" + std::string(bad) + "'"));
+    e.set(bad);
+    CHECK_THROWS_AS(openwam::settings_from_environment(), c10::Error);
+    CHECK(parse_error() == std::string("openwam::sdpa: environment variable "
+                                       "OPENWAM_SDPA_CUDNN must be unset, '1' or '0', "
+                                       "got '") + bad + "'");
   }
 }
 
-TEST_CASE("settings: OPENWAM_SDPA_PAD", "[settings]") {
+TEST_CASE("settings: OPENWAM_SDPA_PAD values", "[settings]") {
   CleanEnv clean;
-  {
-    ScopedEnv e(kPad, "auto");
-    CHECK(openwam::current_settings().pad == PadMode::kAuto);
-  }
-  {
-    ScopedEnv e(kPad, "always");
-    CHECK(openwam::current_settings().pad == PadMode::kAlways);
-  }
-  {
-    ScopedEnv e(kPad, "never");
-    CHECK(openwam::current_settings().pad == PadMode::kNever);
-  }
-  CHECK(openwam::current_settings().pad == PadMode::kAuto);
-  for (const char* bad : {"sometimes", "1", "0", "on"}) {
+  ScopedEnv e(kPadVar, "auto");
+  CHECK(openwam::settings_from_environment().pad == PadMode::kAuto);
+  e.set("always");
+  CHECK(openwam::settings_from_environment().pad == PadMode::kAlways);
+  e.set("never");
+  CHECK(openwam::settings_from_environment().pad == PadMode::kNever);
+  e.set(nullptr);
+  CHECK(openwam::settings_from_environment().pad == PadMode::kAuto);
+  for (const char* bad : {"sometimes", "1", "0", "on", "AUTO", "Always", " never"}) {
     CAPTURE(bad);
-    ScopedEnv e(kPad, bad);
-    CHECK_THROWS_AS(openwam::current_settings(), c10::Error);
-    CHECK_THROWS_WITH(openwam::current_settings(),
-                      Contains(kPad) && Contains("'" + std::string(bad) + "'"));
+    e.set(bad);
+    CHECK_THROWS_AS(openwam::settings_from_environment(), c10::Error);
+    CHECK(parse_error() == std::string("openwam::sdpa: environment variable "
+                                       "OPENWAM_SDPA_PAD must be 'auto', 'always' or "
+                                       "'never', got '") + bad + "'");
   }
 }
 
-TEST_CASE("settings: OPENWAM_SDPA_CHECK_FINITE", "[settings]") {
+TEST_CASE("settings: OPENWAM_SDPA_CHECK_FINITE values", "[settings]") {
   CleanEnv clean;
-  {
-    ScopedEnv e(kCheck, "1");
-    CHECK(openwam::current_settings().check_finite);
-  }
-  {
-    ScopedEnv e(kCheck, "0");
-    CHECK_FALSE(openwam::current_settings().check_finite);
-  }
-  for (const char* bad : {"yes", "2", "true"}) {
+  ScopedEnv e(kCheckFiniteVar, "1");
+  CHECK(openwam::settings_from_environment().check_finite);
+  e.set("0");
+  CHECK_FALSE(openwam::settings_from_environment().check_finite);
+  for (const char* bad : {"yes", "2", "true", "on", "00"}) {
     CAPTURE(bad);
-    ScopedEnv e(kCheck, bad);
-    CHECK_THROWS_AS(openwam::current_settings(), c10::Error);
-    CHECK_THROWS_WITH(openwam::current_settings(),
-                      Contains(kCheck) && Contains("'" + std::string(bad) + "'"));
+    e.set(bad);
+    CHECK_THROWS_AS(openwam::settings_from_environment(), c10::Error);
+    CHECK(parse_error() == std::string("openwam::sdpa: environment variable "
+                                       "OPENWAM_SDPA_CHECK_FINITE must be unset, '0' or "
+                                       "'1', got '") + bad + "'");
   }
 }
 
 TEST_CASE("settings: the variables are independent", "[settings]") {
   CleanEnv clean;
-  ScopedEnv cudnn(kCudnn, "0");
-  ScopedEnv pad(kPad, "never");
-  ScopedEnv check(kCheck, "1");
-  const openwam::Settings s = openwam::current_settings();
+  const char* cudnn_values[] = {nullptr, "1", "0"};
+  const char* pad_values[] = {nullptr, "always", "never"};
+  const char* check_values[] = {nullptr, "1"};
+  for (const char* c : cudnn_values) {
+    for (const char* p : pad_values) {
+      for (const char* f : check_values) {
+        CAPTURE(c ? c : "unset", p ? p : "unset", f ? f : "unset");
+        ScopedEnv ce(kCudnnVar, c), pe(kPadVar, p), fe(kCheckFiniteVar, f);
+        const Settings s = openwam::settings_from_environment();
+        CHECK(s.cudnn == (c == nullptr             ? CudnnPreference::kFollowPyTorch
+                          : std::string(c) == "1" ? CudnnPreference::kPrefer
+                                                  : CudnnPreference::kNever));
+        CHECK(s.pad == (p == nullptr                  ? PadMode::kAuto
+                        : std::string(p) == "always" ? PadMode::kAlways
+                                                     : PadMode::kNever));
+        CHECK(s.check_finite == (f != nullptr));
+      }
+    }
+  }
+  // The first invalid variable names itself, whatever the others hold.
+  ScopedEnv ce(kCudnnVar, "1"), pe(kPadVar, "bad"), fe(kCheckFiniteVar, "1");
+  CHECK_THAT(parse_error(), Contains(kPadVar) && Contains("'bad'"));
+}
+
+TEST_CASE("settings: current_settings is cached until reload_settings", "[settings]") {
+  ScopedSettings pinned("0", "never", "1");
+  Settings s = openwam::current_settings();
   CHECK(s.cudnn == CudnnPreference::kNever);
   CHECK(s.pad == PadMode::kNever);
   CHECK(s.check_finite);
+
+  // A changed environment is not seen...
+  ScopedEnv cudnn(kCudnnVar, "1");
+  ScopedEnv pad(kPadVar, "always");
+  ScopedEnv check(kCheckFiniteVar, nullptr);
+  s = openwam::current_settings();
+  CHECK(s.cudnn == CudnnPreference::kNever);
+  CHECK(s.pad == PadMode::kNever);
+  CHECK(s.check_finite);
+  // ...not even an invalid one...
+  {
+    ScopedEnv bad(kPadVar, "bad");
+    CHECK_NOTHROW(openwam::current_settings());
+    CHECK(openwam::current_settings().pad == PadMode::kNever);
+  }
+  // ...until reload_settings, which returns the new settings.
+  s = openwam::reload_settings();
+  CHECK(s.cudnn == CudnnPreference::kPrefer);
+  CHECK(s.pad == PadMode::kAlways);
+  CHECK_FALSE(s.check_finite);
+  s = openwam::current_settings();
+  CHECK(s.cudnn == CudnnPreference::kPrefer);
+  CHECK(s.pad == PadMode::kAlways);
+  CHECK_FALSE(s.check_finite);
+}
+
+TEST_CASE("settings: every packed combination survives the cache", "[settings]") {
+  for (const char* c : {"", "1", "0"}) {
+    for (const char* p : {"auto", "always", "never"}) {
+      for (const char* f : {"0", "1"}) {
+        CAPTURE(c, p, f);
+        ScopedSettings pinned(c, p, f);
+        const Settings parsed = openwam::settings_from_environment();
+        const Settings cached = openwam::current_settings();
+        CHECK(cached.cudnn == parsed.cudnn);
+        CHECK(cached.pad == parsed.pad);
+        CHECK(cached.check_finite == parsed.check_finite);
+      }
+    }
+  }
+}
+
+TEST_CASE("settings: an invalid value raises until it is fixed", "[settings]") {
+  ScopedSettings pinned;
+  ScopedEnv cudnn(kCudnnVar, "yes");
+  const std::string expected =
+      "openwam::sdpa: environment variable OPENWAM_SDPA_CUDNN must be unset, '1' or "
+      "'0', got 'yes'";
+  CHECK_THROWS_AS(openwam::reload_settings(), c10::Error);
+  // The failed reload leaves no cache behind: every later read raises too.
+  for (int i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    CHECK(openwam_test::error_of([] { openwam::current_settings(); }) == expected);
+  }
+  CHECK(openwam_test::error_of([] { openwam::reload_settings(); }) == expected);
+
+  SECTION("fixed: current_settings parses again without a reload") {
+    cudnn.set("0");
+    CHECK(openwam::current_settings().cudnn == CudnnPreference::kNever);
+    // and caches what it parsed
+    cudnn.set("yes");
+    CHECK(openwam::current_settings().cudnn == CudnnPreference::kNever);
+  }
+  SECTION("fixed: reload_settings") {
+    cudnn.set("1");
+    CHECK(openwam::reload_settings().cudnn == CudnnPreference::kPrefer);
+    CHECK(openwam::current_settings().cudnn == CudnnPreference::kPrefer);
+  }
 }
 
 TEST_CASE("settings: names", "[settings]") {

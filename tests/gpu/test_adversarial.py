@@ -15,30 +15,33 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from support import (
+    DENSE_MASK_KINDS,
+    assert_close_to_reference,
+    assert_within_stock,
+    nonfinite,
+    nonfinite_grads,
+    reference,
+    rule_violation,
+    run,
+)
+
 from .conftest import (
     GPU_MARKS,
     KEY_TILE,
     LSE_OVERFLOW,
-    MASK_KINDS,
     MEASURED_CUDNN,
-    adversarial_qkv,
-    assert_close_to_reference,
-    assert_within_stock,
+    cuda_adversarial_qkv,
+    cuda_mask,
+    cuda_qkv,
+    cuda_randn,
     cudnn_version,
-    make_mask,
-    nonfinite,
-    nonfinite_grads,
-    other_rows,
-    random_qkv,
-    reference,
     low_row_problem,
+    other_rows,
     row_rel_err,
-    rule_violation,
-    run,
     stock_baseline,
     stock_cudnn,
     stock_defect_measured,
-    upstream_grad,
 )
 
 pytestmark = GPU_MARKS
@@ -71,14 +74,14 @@ SHAPES = [(128, 192), (256, 704), (128, 64), (384, 320), (200, 392)]
 GRID = [
     Case(s_q, s_kv, 128, (s_q // 2 + 1,), mask, layout)
     for s_q, s_kv in SHAPES
-    for mask in MASK_KINDS
+    for mask in DENSE_MASK_KINDS
     for layout in ("bhsd", "bshd")
 ]
 # The adversarial row in the last, partial query tile.
 PARTIAL_TILE = [
     Case(s_q, s_kv, D, (s_q - 1,), mask, "bshd" if i % 2 else "bhsd")
     for i, (s_q, s_kv, D) in enumerate([(200, 192, 128), (200, 320, 64), (330, 704, 128), (130, 64, 64)])
-    for mask in MASK_KINDS
+    for mask in DENSE_MASK_KINDS
 ]
 CASES = GRID + PARTIAL_TILE
 
@@ -102,10 +105,10 @@ def prepare(case: Case) -> Prepared:
     if case not in _prepared:
         _prepared.clear()
         seed = case.seed
-        q, k, v = adversarial_qkv(B, H, case.s_q, case.s_kv, case.D, case.low_rows,
-                                  layout=case.layout, seed=seed)
-        go = upstream_grad(q.shape, seed=seed + 1)
-        mask = make_mask(case.mask, B, case.s_q, case.s_kv, seed=seed + 2)
+        q, k, v = cuda_adversarial_qkv(B, H, case.s_q, case.s_kv, case.D, case.low_rows,
+                                       layout=case.layout, seed=seed)
+        go = cuda_randn(*q.shape, seed=seed + 1)
+        mask = cuda_mask(case.mask, B, 1, case.s_q, case.s_kv, seed=seed + 2)
         ref, lse = reference(q, k, v, go, attn_mask=mask)
         baseline, stock = stock_baseline(q, k, v, go, attn_mask=mask)
         assert stock is not None, "stock cuDNN refused a case it served on the H200"
@@ -128,7 +131,7 @@ def test_openwam_adversarial_rows(case, setting, ow, settings, suite_results):
     info = ow.explain(q, k, v, attn_mask=p.mask)
     assert info["backend"] == "cudnn", info
     if setting == "always" and case.s_kv % KEY_TILE:
-        assert info["plan"] == "pad_backward", info
+        assert info["plan"] == "pad_keys_backward", info
     if setting == "auto" and stock_defect_measured(case.s_kv, case.D):
         assert info["plan"] == "repair_dq", info
 
@@ -179,10 +182,10 @@ def test_stock_cudnn_gives_nonfinite_dq(case):
     if not stock_defect_measured(case.s_kv, case.D):
         pytest.skip(f"stock was not measured to fail at s_kv={case.s_kv}, head_dim={case.D}")
     seed = case.seed
-    q, k, v = adversarial_qkv(B, H, case.s_q, case.s_kv, case.D, case.low_rows,
-                              layout=case.layout, seed=seed)
-    go = upstream_grad(q.shape, seed=seed + 1)
-    mask = make_mask(case.mask, B, case.s_q, case.s_kv, seed=seed + 2)
+    q, k, v = cuda_adversarial_qkv(B, H, case.s_q, case.s_kv, case.D, case.low_rows,
+                                   layout=case.layout, seed=seed)
+    go = cuda_randn(*q.shape, seed=seed + 1)
+    mask = cuda_mask(case.mask, B, 1, case.s_q, case.s_kv, seed=seed + 2)
     stock = stock_cudnn(q, k, v, go, attn_mask=mask)
     assert stock is not None
     bad = ~torch.isfinite(stock.dq)
@@ -194,15 +197,15 @@ def test_stock_cudnn_gives_nonfinite_dq(case):
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
-@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("mask_kind", DENSE_MASK_KINDS)
 @pytest.mark.parametrize("s_q,s_kv", SHAPES, ids=[f"{a}x{b}" for a, b in SHAPES])
 def test_ordinary_inputs_within_twice_stock_error(s_q, s_kv, mask_kind, setting, ow, settings):
     """No adversarial row: openwam's forward and all three gradients are
     within twice stock cuDNN's own error against the float64 reference."""
     settings(cudnn="1", pad=setting)
-    q, k, v = random_qkv(B, H, s_q, s_kv, 128, seed=s_kv)
-    go = upstream_grad(q.shape, seed=s_kv + 1)
-    mask = make_mask(mask_kind, B, s_q, s_kv, seed=s_kv + 2)
+    q, k, v = cuda_qkv(B, H, s_q, s_kv, 128, seed=s_kv)
+    go = cuda_randn(*q.shape, seed=s_kv + 1)
+    mask = cuda_mask(mask_kind, B, 1, s_q, s_kv, seed=s_kv + 2)
     ref, _ = reference(q, k, v, go, attn_mask=mask)
     baseline, stock = stock_baseline(q, k, v, go, attn_mask=mask)
     assert stock is not None and nonfinite_grads(stock) == 0
@@ -218,8 +221,8 @@ def test_large_upstream_gradient_moderate_lse(setting, ow, settings, suite_resul
     dO scaled by 1e3. The fix must cover such rows too."""
     settings(cudnn="1", pad=setting)
     s_q, s_kv, D, rows = 128, 704, 128, (17,)
-    q, k, v = adversarial_qkv(1, 2, s_q, s_kv, D, rows, target=-90.0, seed=5)
-    go = upstream_grad(q.shape, seed=6, gain=1000.0)
+    q, k, v = cuda_adversarial_qkv(1, 2, s_q, s_kv, D, rows, target=-90.0, seed=5)
+    go = cuda_randn(*q.shape, seed=6) * 1000.0
     ref, lse = reference(q, k, v, go)
     baseline, stock = stock_baseline(q, k, v, go)
     ours = run(ow.sdpa, q, k, v, go)

@@ -14,19 +14,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from support import DENSE_MASK_KINDS, run
+
 from .conftest import (
     GPU_MARKS,
-    MASK_KINDS,
     MEASURED_CUDNN,
     SDPBackend,
-    adversarial_qkv,
+    cuda_adversarial_qkv,
+    cuda_mask,
+    cuda_qkv,
+    cuda_randn,
     cudnn_version,
-    make_mask,
-    random_qkv,
-    run,
     sdpa_kernel,
     stock_cudnn,
-    upstream_grad,
 )
 
 pytestmark = GPU_MARKS
@@ -48,8 +48,8 @@ def test_forward_bit_identical_when_differentiated(s_kv, mask_kind, layout, pad,
     """A differentiated call (its backward will be fixed) returns stock's
     forward output exactly, even on inputs the fix will repair."""
     settings(cudnn="1", pad=pad)
-    q, k, v = adversarial_qkv(B, H, S_Q, s_kv, D, (7,), layout=layout, seed=s_kv)
-    mask = make_mask(mask_kind, B, S_Q, s_kv, seed=s_kv + 1)
+    q, k, v = cuda_adversarial_qkv(B, H, S_Q, s_kv, D, (7,), layout=layout, seed=s_kv)
+    mask = cuda_mask(mask_kind, B, 1, S_Q, s_kv, seed=s_kv + 1)
     ours = ow.sdpa(q, k, v, attn_mask=mask)
     assert ours.requires_grad
     stock = stock_forward(q, k, v, mask)
@@ -73,8 +73,8 @@ def test_forward_bit_identical_when_not_differentiated(s_kv, mask_kind, context,
     """A call with nothing to differentiate is stock cuDNN's inference call."""
     settings(cudnn="1")
     requires_grad, guard = NOT_DIFFERENTIATED[context]
-    q, k, v = random_qkv(B, H, S_Q, s_kv, D, seed=s_kv, requires_grad=requires_grad)
-    mask = make_mask(mask_kind, B, S_Q, s_kv, seed=s_kv + 1)
+    q, k, v = cuda_qkv(B, H, S_Q, s_kv, D, seed=s_kv, requires_grad=requires_grad)
+    mask = cuda_mask(mask_kind, B, 1, S_Q, s_kv, seed=s_kv + 1)
     with guard():
         info = ow.explain(q, k, v, attn_mask=mask)
         ours = ow.sdpa(q, k, v, attn_mask=mask)
@@ -84,7 +84,7 @@ def test_forward_bit_identical_when_not_differentiated(s_kv, mask_kind, context,
     assert torch.equal(ours, stock), f"max diff {(ours.float() - stock.float()).abs().max():.3e}"
 
 
-@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("mask_kind", DENSE_MASK_KINDS)
 @pytest.mark.parametrize("s_kv", [64, 192, 704])
 def test_gradients_bit_identical_on_ordinary_inputs(s_kv, mask_kind, ow, settings):
     """At s_kv % 128 == 64 (where the auto plan repairs dQ on cuDNN 9.19) and
@@ -97,9 +97,9 @@ def test_gradients_bit_identical_on_ordinary_inputs(s_kv, mask_kind, ow, setting
     gradient that stock itself does not reproduce between two identical
     calls is reported as a skip after the others were checked."""
     settings(cudnn="1", pad="auto")
-    q, k, v = random_qkv(B, H, S_Q, s_kv, D, seed=s_kv + 11)
-    go = upstream_grad(q.shape, seed=s_kv + 12)
-    mask = make_mask(mask_kind, B, S_Q, s_kv, seed=s_kv + 13)
+    q, k, v = cuda_qkv(B, H, S_Q, s_kv, D, seed=s_kv + 11)
+    go = cuda_randn(*q.shape, seed=s_kv + 12)
+    mask = cuda_mask(mask_kind, B, 1, S_Q, s_kv, seed=s_kv + 13)
     info = ow.explain(q, k, v, attn_mask=mask)
     assert info["backend"] == "cudnn", info
     if cudnn_version() == MEASURED_CUDNN:

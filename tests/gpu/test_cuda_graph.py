@@ -11,18 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .conftest import (
-    GPU_MARKS,
-    adversarial_qkv,
-    assert_within_stock,
-    make_mask,
-    nonfinite,
-    nonfinite_grads,
-    reference,
-    low_row_problem,
-    run,
-    upstream_grad,
-)
+from support import assert_within_stock, nonfinite, nonfinite_grads, reference, run
+
+from .conftest import GPU_MARKS, cuda_adversarial_qkv, cuda_mask, cuda_randn, low_row_problem
 
 pytestmark = GPU_MARKS
 
@@ -31,14 +22,14 @@ LOW_ROWS = (3, 200)
 
 
 def _inputs(seed):
-    q, k, v = adversarial_qkv(B, H, S_Q, S_KV, D, LOW_ROWS, seed=seed, requires_grad=False)
-    go = upstream_grad(q.shape, seed=seed + 1)
+    q, k, v = cuda_adversarial_qkv(B, H, S_Q, S_KV, D, LOW_ROWS, seed=seed, requires_grad=False)
+    go = cuda_randn(*q.shape, seed=seed + 1)
     return q, k, v, go
 
 
 def test_forward_backward_replays_in_cuda_graph(ow, settings):
     settings(cudnn="1", pad="auto")
-    mask = make_mask("bool", B, S_Q, S_KV, seed=3)
+    mask = cuda_mask("bool", B, 1, S_Q, S_KV, seed=3)
     static_q, static_k, static_v, static_go = (t.clone() for t in _inputs(seed=10))
     for t in (static_q, static_k, static_v):
         t.requires_grad_()

@@ -18,24 +18,27 @@ import sys
 import pytest
 import torch
 
+from support import (
+    assert_close_to_reference,
+    assert_within_stock,
+    nonfinite,
+    nonfinite_grads,
+    reference,
+    run,
+)
+
 from .conftest import (
     GPU_MARKS,
     KEY_TILE,
-    adversarial_qkv,
-    assert_close_to_reference,
-    assert_within_stock,
+    cuda_adversarial_qkv,
+    cuda_mask,
+    cuda_qkv,
+    cuda_randn,
     cudnn_version,
-    make_mask,
-    nonfinite,
-    nonfinite_grads,
-    random_qkv,
-    reference,
     low_row_problem,
-    run,
     stock_baseline,
     stock_cudnn,
     stock_defect_measured,
-    upstream_grad,
 )
 
 pytestmark = GPU_MARKS
@@ -46,14 +49,14 @@ BF16 = torch.bfloat16
 
 def _inputs(data, s_q, s_kv, *, low_rows=(9,), seed=0, **kwargs):
     if data == "adversarial":
-        return adversarial_qkv(B, kwargs.pop("H", H), s_q, s_kv, kwargs.pop("D", D), low_rows,
-                               seed=seed, **kwargs)
-    return random_qkv(B, kwargs.pop("H", H), s_q, s_kv, kwargs.pop("D", D), seed=seed, **kwargs)
+        return cuda_adversarial_qkv(B, kwargs.pop("H", H), s_q, s_kv, kwargs.pop("D", D),
+                                    low_rows, seed=seed, **kwargs)
+    return cuda_qkv(B, kwargs.pop("H", H), s_q, s_kv, kwargs.pop("D", D), seed=seed, **kwargs)
 
 
 def _check_against_reference(ours, q, k, v, go, dtype=BF16, low_rows=(), **kwargs):
     """Finite; within twice stock's error, the adversarial rows of dQ
-    included (conftest.low_row_problem)."""
+    included (low_row_problem)."""
     assert nonfinite(ours.out) + nonfinite_grads(ours) == 0, "non-finite output or gradient"
     ref, _ = reference(q, k, v, go, **kwargs)
     baseline, _ = stock_baseline(q, k, v, go, **kwargs)
@@ -94,7 +97,7 @@ def test_dropout_statistics(p, backend, ow, settings):
     spread = float(rows.std())
     assert 0.5 * sigma < spread < 2 * sigma, f"row spread {spread:.4f}, expected {sigma:.4f}"
 
-    go = upstream_grad(out.shape, seed=4)
+    go = cuda_randn(*out.shape, seed=4)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), go)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
     assert nonfinite(dq) + nonfinite(dk) + nonfinite(dv) == 0
@@ -104,12 +107,12 @@ def test_dropout_statistics(p, backend, ow, settings):
 def test_dropout_on_adversarial_inputs_has_finite_gradients(p, ow, settings, suite_results):
     settings(cudnn="1", pad="auto")
     s_q, s_kv = 256, 704
-    q, k, v = adversarial_qkv(B, H, s_q, s_kv, D, (9, 255), seed=7)
-    mask = make_mask("bool", B, s_q, s_kv, seed=8)
-    go = upstream_grad(q.shape, seed=9)
+    q, k, v = cuda_adversarial_qkv(B, H, s_q, s_kv, D, (9, 255), seed=7)
+    mask = cuda_mask("bool", B, 1, s_q, s_kv, seed=8)
+    go = cuda_randn(*q.shape, seed=9)
     info = ow.explain(q, k, v, attn_mask=mask, dropout_p=p)
     if info["backend"] == "cudnn" and stock_defect_measured(s_kv, D):
-        assert info["plan"] == "pad_forward", info
+        assert info["plan"] == "pad_keys_forward", info
     ours = run(ow.sdpa, q, k, v, go, attn_mask=mask, dropout_p=p)
     stock = stock_cudnn(q, k, v, go, attn_mask=mask, dropout_p=p)
     suite_results.put(
@@ -136,7 +139,7 @@ def test_causal_with_unequal_lengths(s_q, s_kv, pad, data, ow, settings):
     stay hidden from them although the causal diagonal would reach them."""
     settings(cudnn="1", pad=pad)
     q, k, v = _inputs(data, s_q, s_kv, low_rows=(9,), seed=s_q + s_kv)
-    go = upstream_grad(q.shape, seed=3)
+    go = cuda_randn(*q.shape, seed=3)
     ours = run(ow.sdpa, q, k, v, go, is_causal=True)
     _check_against_reference(ours, q, k, v, go, is_causal=True,
                              low_rows=(9,) if data == "adversarial" else ())
@@ -149,8 +152,8 @@ def test_explicit_scale(scale, data, ow, settings):
     s_q, s_kv = 256, 704
     kwargs = {"scale": scale} if data == "adversarial" else {}
     q, k, v = _inputs(data, s_q, s_kv, seed=21, **kwargs)
-    mask = make_mask("additive", B, s_q, s_kv, seed=22)
-    go = upstream_grad(q.shape, seed=23)
+    mask = cuda_mask("additive", B, 1, s_q, s_kv, seed=22)
+    go = cuda_randn(*q.shape, seed=23)
     ours = run(ow.sdpa, q, k, v, go, attn_mask=mask, scale=scale)
     _check_against_reference(ours, q, k, v, go, attn_mask=mask, scale=scale,
                              low_rows=(9,) if data == "adversarial" else ())
@@ -167,10 +170,10 @@ def test_grouped_query_attention(mask_kind, data, ow, settings):
     four query heads of each group."""
     settings(cudnn="1", pad="auto")
     s_q, s_kv = 256, 192
-    q, k, v = _inputs(data, s_q, s_kv, seed=31, H=8, hkv=2)
+    q, k, v = _inputs(data, s_q, s_kv, seed=31, H=8, Hkv=2)
     assert k.shape[1] == 2 and q.shape[1] == 8
-    mask = make_mask(mask_kind, B, s_q, s_kv, seed=32)
-    go = upstream_grad(q.shape, seed=33)
+    mask = cuda_mask(mask_kind, B, 1, s_q, s_kv, seed=32)
+    go = cuda_randn(*q.shape, seed=33)
     ours = run(ow.sdpa, q, k, v, go, attn_mask=mask, enable_gqa=True)
     assert ours.dk.shape == k.shape and ours.dv.shape == v.shape
     _check_against_reference(ours, q, k, v, go, attn_mask=mask, enable_gqa=True,
@@ -181,9 +184,9 @@ def test_grouped_query_attention(mask_kind, data, ow, settings):
 def test_half_precision_dtypes(dtype, ow, settings):
     settings(cudnn="1", pad="auto")
     s_q, s_kv = 256, 704
-    q, k, v = adversarial_qkv(B, H, s_q, s_kv, D, (9,), dtype=dtype, seed=41)
-    mask = make_mask("bool", B, s_q, s_kv, seed=42)
-    go = upstream_grad(q.shape, dtype=dtype, seed=43)
+    q, k, v = cuda_adversarial_qkv(B, H, s_q, s_kv, D, (9,), dtype=dtype, seed=41)
+    mask = cuda_mask("bool", B, 1, s_q, s_kv, seed=42)
+    go = cuda_randn(*q.shape, dtype=dtype, seed=43)
     assert ow.explain(q, k, v, attn_mask=mask)["backend"] == "cudnn"
     ours = run(ow.sdpa, q, k, v, go, attn_mask=mask)
     assert ours.out.dtype == dtype and ours.dq.dtype == dtype
@@ -202,9 +205,9 @@ def test_fully_masked_row_gives_zero_output_and_gradient(cudnn, backend, mask_ki
     row's logsumexp of -inf and must leave zeros there, not NaN."""
     settings(cudnn=cudnn, pad="auto")
     s_q, s_kv, d, empty = 128, 192, 64, 10
-    q, k, v = random_qkv(B, H, s_q, s_kv, d, seed=51)
-    mask = make_mask(mask_kind, B, s_q, s_kv, empty_rows=(empty,), seed=52)
-    go = upstream_grad(q.shape, seed=53)
+    q, k, v = cuda_qkv(B, H, s_q, s_kv, d, seed=51)
+    mask = cuda_mask(mask_kind, B, 1, s_q, s_kv, empty_rows=(empty,), seed=52)
+    go = cuda_randn(*q.shape, seed=53)
     assert ow.explain(q, k, v, attn_mask=mask)["backend"] == backend
     ours = run(ow.sdpa, q, k, v, go, attn_mask=mask)
     assert nonfinite(ours.out) + nonfinite_grads(ours) == 0
@@ -218,15 +221,15 @@ def test_fully_masked_row_gives_zero_output_and_gradient(cudnn, backend, mask_ki
 # ---------------------------------------------------------------- fp32 fallback
 
 
-@pytest.mark.parametrize("pad,plan", [("auto", "none"), ("always", "pad_inputs")])
+@pytest.mark.parametrize("pad,plan", [("auto", "none"), ("always", "none")])
 def test_fp32_falls_back_to_pytorch(pad, plan, ow, settings):
     """cuDNN attention takes fp16/bf16 only: fp32 goes to PyTorch's kernels
-    even with OPENWAM_SDPA_CUDNN=1 (PAD=always pads the inputs there)."""
+    even with OPENWAM_SDPA_CUDNN=1 (the pad setting concerns cuDNN only)."""
     settings(cudnn="1", pad=pad)
     s_q, s_kv = 128, 192
-    q, k, v = random_qkv(B, H, s_q, s_kv, 64, dtype=torch.float32, seed=61)
-    mask = make_mask("bool", B, s_q, s_kv, seed=62)
-    go = upstream_grad(q.shape, dtype=torch.float32, seed=63)
+    q, k, v = cuda_qkv(B, H, s_q, s_kv, 64, dtype=torch.float32, seed=61)
+    mask = cuda_mask("bool", B, 1, s_q, s_kv, seed=62)
+    go = cuda_randn(*q.shape, dtype=torch.float32, seed=63)
     info = ow.explain(q, k, v, attn_mask=mask)
     assert info["backend"] == "pytorch" and info["plan"] == plan, info
     ours = run(ow.sdpa, q, k, v, go, attn_mask=mask)
@@ -249,8 +252,8 @@ def test_fp32_falls_back_to_pytorch(pad, plan, ow, settings):
 # runs in a child process: a crash fails this test instead of the suite.
 _CHECK_FINITE_CHILD = """
 import torch, openwam_sdpa as ow
-from openwam_sdpa.doctor import adversarial_inputs
-q, k, v, go = adversarial_inputs(2, 4, 256, 704, 128, device="cuda")
+from openwam_sdpa.adversarial import adversarial_inputs
+q, k, v, go, _ = adversarial_inputs(2, 4, 256, 704, 128, device="cuda")
 q, k, v = (t.requires_grad_() for t in (q, k, v))
 info = ow.explain(q, k, v)
 assert info["backend"] == "cudnn" and info["plan"] == "none", info
@@ -286,8 +289,8 @@ def test_check_finite_raises_where_stock_gives_nan(ow):
 def test_check_finite_is_silent_with_the_fix(ow, settings):
     settings(cudnn="1", pad="auto", check_finite="1")
     s_q, s_kv = 256, 704
-    q, k, v = adversarial_qkv(B, H, s_q, s_kv, D, (9,), seed=71)
-    go = upstream_grad(q.shape, seed=72)
+    q, k, v = cuda_adversarial_qkv(B, H, s_q, s_kv, D, (9,), seed=71)
+    go = cuda_randn(*q.shape, seed=72)
     ours = run(ow.sdpa, q, k, v, go)
     assert nonfinite(ours.out) + nonfinite_grads(ours) == 0
 
@@ -296,7 +299,9 @@ def test_check_finite_is_silent_with_the_fix(ow, settings):
                                         ("OPENWAM_SDPA_CUDNN", "yes")])
 def test_invalid_setting_is_an_error(name, value, ow, monkeypatch):
     monkeypatch.setenv(name, value)
-    q, k, v = random_qkv(1, 2, 64, 64 + KEY_TILE, 64, seed=81)
+    q, k, v = cuda_qkv(1, 2, 64, 64 + KEY_TILE, 64, seed=81)
+    with pytest.raises(RuntimeError, match=name):
+        ow.reload_settings()
     with pytest.raises(RuntimeError, match=name):
         ow.sdpa(q, k, v)
 

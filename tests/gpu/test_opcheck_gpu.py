@@ -1,9 +1,10 @@
 """torch.library.opcheck of every op the package registers, on CUDA tensors:
 schema, autograd registration, fake (meta) kernels and AOT dispatch, for each
-mask kind, with and without requires_grad. s_kv = 704 is a key length the
-guard table marks affected on cuDNN 9.19, so the differentiated calls take
-the repair_dq plan (and the _repair_dq_ op is traced). The internal
-_repair_dq_ has CUDA and Meta kernels only, so it is checked here alone.
+mask kind, with and without requires_grad, at default settings. s_kv = 704 is
+a key length the guard table marks affected on cuDNN 9.19, so the
+differentiated calls take the repair_dq plan through the cuDNN path's leaf
+ops, which are also checked on their own, plan by plan: their Meta kernels
+must describe what cuDNN really returns.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .conftest import GPU_MARKS, adversarial_qkv, make_mask, random_qkv
+from .conftest import GPU_MARKS, cuda_adversarial_qkv, cuda_mask, cuda_qkv
 
 pytestmark = GPU_MARKS
 
@@ -20,17 +21,16 @@ B, H, S_Q, S_KV, D = 1, 2, 128, 704, 64
 
 @pytest.mark.parametrize("requires_grad", [False, True])
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
-def test_opcheck_sdpa(mask_kind, requires_grad, ow, settings):
-    settings(cudnn="1")
-    q, k, v = random_qkv(B, H, S_Q, S_KV, D, seed=5, requires_grad=requires_grad)
-    mask = make_mask(mask_kind, B, S_Q, S_KV)
+def test_opcheck_sdpa(mask_kind, requires_grad, ow):
+    q, k, v = cuda_qkv(B, H, S_Q, S_KV, D, seed=5, requires_grad=requires_grad)
+    mask = cuda_mask(mask_kind, B, 1, S_Q, S_KV)
     torch.library.opcheck(torch.ops.openwam.sdpa.default, (q, k, v, mask))
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
 def test_opcheck_pad_keys(mask_kind, ow):
-    _, k, v = random_qkv(B, H, S_Q, S_KV, D, seed=6)
-    mask = make_mask(mask_kind, B, S_Q, S_KV)
+    _, k, v = cuda_qkv(B, H, S_Q, S_KV, D, seed=6)
+    mask = cuda_mask(mask_kind, B, 1, S_Q, S_KV)
     torch.library.opcheck(torch.ops.openwam.pad_keys.default, (k, v, mask, 128))
 
 
@@ -38,8 +38,8 @@ def test_opcheck_pad_keys(mask_kind, ow):
 def test_opcheck_repair_dq(mask_kind, ow):
     """The in-place dQ repair on the stock cuDNN forward of an adversarial
     input (row 9 below the threshold, so the op does write to grad_query)."""
-    q, k, v = adversarial_qkv(B, H, S_Q, S_KV, D, (9,), seed=7, requires_grad=False)
-    mask = make_mask(mask_kind, B, S_Q, S_KV)
+    q, k, v = cuda_adversarial_qkv(B, H, S_Q, S_KV, D, (9,), seed=7, requires_grad=False)
+    mask = cuda_mask(mask_kind, B, 1, S_Q, S_KV)
     fwd = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, mask, True, 0.0, False, False)
     out, lse = fwd[0], fwd[1]
     assert lse[:, :, 9].max().item() < -40.0, "the adversarial row must be below the repair threshold"
@@ -48,3 +48,25 @@ def test_opcheck_repair_dq(mask_kind, ow):
     bias = None if mask is None else mask.expand(B, H, S_Q, S_KV)
     torch.library.opcheck(torch.ops.openwam._repair_dq_.default,
                           (grad_query, grad_out, q, k, v, out, lse, bias, False, D ** -0.5))
+
+
+# Plan bits (csrc/plan.cpp): repair_dq 1, pad_keys_backward 2, pad_query_backward 8.
+LEAF_CASES = {"repair_dq": (1, 128, 1), "pad_keys_backward": (2, 128, 1),
+              "pad_query_backward+repair_dq": (9, 1, 1), "gqa": (1, 128, 2)}
+
+
+@pytest.mark.parametrize("case", LEAF_CASES.values(), ids=LEAF_CASES.keys())
+@pytest.mark.parametrize("mask_kind", ["none", "additive"])
+def test_opcheck_cudnn_leaf_ops(case, mask_kind, ow):
+    plan, s_q, groups = case
+    q, _, _ = cuda_qkv(B, H * groups, s_q, S_KV, D, seed=8)
+    _, k, v = cuda_qkv(B, H, s_q, S_KV, D, seed=9)
+    mask = cuda_mask(mask_kind, B, 1, s_q, S_KV)
+    bias = None if mask is None else mask.expand(B, 1, s_q, S_KV)
+    fwd = torch.ops.openwam._cudnn_sdpa.default
+    torch.library.opcheck(fwd, (q, k, v, bias, 0.0, False, None, True, plan))
+    out, lse, seed, offset = fwd(q.detach(), k.detach(), v.detach(), bias, 0.0, False, None,
+                                 True, plan)
+    torch.library.opcheck(torch.ops.openwam._cudnn_sdpa_backward.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), bias,
+                           out, lse, seed, offset, 0.0, False, None, plan))

@@ -22,19 +22,18 @@ import copy
 import pytest
 import torch
 
+from support import assert_close_to_reference, nonfinite, reference, twice_stock_problem
+
 from .conftest import (
     GPU_MARKS,
     LSE_OVERFLOW,
     SDPBackend,
-    adversarial_qkv,
-    assert_close_to_reference,
-    nonfinite,
-    reference,
+    cuda_adversarial_qkv,
+    cuda_randn,
     low_row_problem,
     sdpa_kernel,
     stock_baseline,
     stock_defect_measured,
-    upstream_grad,
 )
 
 transformers = pytest.importorskip(
@@ -93,9 +92,9 @@ def _call_interface(fn, q, k, v, mask, go_bshd):
 
 def _interface_inputs():
     # BSHD storage viewed as BHSD: what view(B, S, H, D).transpose(1, 2) gives.
-    q, k, v = adversarial_qkv(B, H, S, S, D, (LOW_ROW,), layout="bshd", seed=3)
+    q, k, v = cuda_adversarial_qkv(B, H, S, S, D, (LOW_ROW,), layout="bshd", seed=3)
     mask = _padded_causal_mask()
-    go = upstream_grad((B, S, H, D), seed=4)
+    go = cuda_randn(B, S, H, D, seed=4)
     return q, k, v, mask, go
 
 
@@ -284,17 +283,21 @@ def test_tiny_llama_trains_one_step(route, ow, suite_results):
     assert ours_bad == 0, {n: nonfinite(g) for n, g in ours_grads.items() if nonfinite(g)}
     assert set(ours_grads) == set(ref_grads)
 
-    # Error rule at model level, per parameter tensor (2-norm): at most twice
-    # the efficient-attention model's distance to the float32 eager model,
-    # plus 1% of the reference norm.
+    # The error rule at model level, which measures something else than an
+    # attention call's max-norm error: per parameter tensor, the 2-norm
+    # distance to the float32 eager model after a whole bf16 model, at most
+    # twice the efficient-attention model's, with 1% of the reference norm as
+    # the floor (1e-3 of the loss for the loss).
     assert sum(nonfinite(g) for g in eff_grads.values()) == 0
-    for name, ref in ref_grads.items():
-        ours = (ours_grads[name].float() - ref).norm()
-        base = (eff_grads[name].float() - ref).norm()
-        bound = 2 * base + 0.01 * ref.norm()
-        assert ours <= bound, f"{name}: |ours - ref| {ours:.3e} > {bound:.3e}"
-    loss_bound = 2 * abs(float(eff_loss) - float(ref_loss)) + 1e-3 * abs(float(ref_loss))
-    assert abs(float(ours_loss) - float(ref_loss)) <= loss_bound
+    problems = [twice_stock_problem(name, float((ours_grads[name].float() - ref).norm()),
+                                    float((eff_grads[name].float() - ref).norm()),
+                                    0.01 * float(ref.norm()))
+                for name, ref in ref_grads.items()]
+    problems.append(twice_stock_problem("loss", abs(float(ours_loss) - float(ref_loss)),
+                                        abs(float(eff_loss) - float(ref_loss)),
+                                        1e-3 * abs(float(ref_loss))))
+    problems = [p for p in problems if p]
+    assert not problems, "; ".join(problems)
 
     # One optimizer step leaves the parameters finite.
     optimizer = torch.optim.SGD(ours_model.parameters(), lr=1e-2)

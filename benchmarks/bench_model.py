@@ -1,0 +1,414 @@
+"""Model-level benchmark (issue 13): full training steps of randomly initialised Hugging Face LMs.
+
+A step is forward, backward and an AdamW step of a Qwen2 causal LM built from a
+config (nothing downloaded), bf16 weights:
+  30m    4 layers, width 512, 8 heads x 64, vocab 32000 (29M parameters)
+  400m   24 layers, width 1024, 8 heads x 128, vocab 32000 (398M parameters)
+on a batch of 8 x 704 or 2 x 4032 tokens, left-padded (sequence b loses its first
+b * S / (4 B) tokens to padding, so the first sequence is full) or unpadded
+(transformers then passes is_causal and no mask). Three attention implementations:
+  sdpa             stock F.scaled_dot_product_attention (PyTorch's default backend,
+                   cuDNN on an H100/H200 with torch 2.11+)
+  openwam_sdpa     the op, at default settings
+  sdpa-no-cudnn    stock with cuDNN excluded (sdpa_kernel inside the attention call)
+each eager and with every decoder layer compiled (torch.compile, dynamic=False, as
+torchtitan-style training compiles per block), plus sdpa again (the A/A control).
+
+Each configuration starts every model from the same initial weights and a fresh
+optimizer. The first step records the non-finite gradient elements (stock sdpa on
+a left-padded batch gives NaN where the stack is affected: its timing still
+counts, and the NaN spreads to every weight) and how long it took (compilation).
+Then paired rounds (timing.paired_rounds): GPU busy time, host time and wall time
+per step, and peak memory of one step. Targets (issue 13): openwam_sdpa at most
+1.02x stock's GPU time and 1.03x its wall time.
+
+Run (from the repository root, on a GPU; about 3 minutes with compilation, estimated):
+    python benchmarks/bench_model.py --out $OUT/model
+    python benchmarks/bench_model.py --sizes 400m --lengths 4032 --modes eager
+    python benchmarks/bench_model.py --compile-sizes 30m,400m --compile-paddings left,none   # every compile
+    python benchmarks/bench_model.py --selftest --out /tmp/model     # CPU, tiny model, checks the outputs
+Writes model.json, model.md and model.png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import report
+import timing
+from stack import headline, import_openwam, openwam_settings, stack_info
+
+DTYPE = torch.bfloat16
+BASE = "sdpa"
+NO_CUDNN = "sdpa_no_cudnn"  # the attention implementation registered below
+
+SIZES = {
+    "30m": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8),
+    "400m": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),  # selftest
+}
+VOCAB = {"30m": 32000, "400m": 32000, "tiny": 256}
+BATCH = {704: 8, 4032: 2, 40: 2}  # sequence length -> batch size (40: selftest)
+PADDINGS = ("left", "none")
+MODES = ("eager", "compile")
+
+
+def model_config(size):
+    from transformers import Qwen2Config
+
+    cfg = SIZES[size]
+    return Qwen2Config(vocab_size=VOCAB[size], num_key_value_heads=cfg["num_attention_heads"],
+                       max_position_embeddings=8192, tie_word_embeddings=True, use_cache=False, **cfg)
+
+
+def register_no_cudnn():
+    """Register "sdpa_no_cudnn" with transformers: its "sdpa" attention inside
+    sdpa_kernel(flash, efficient, math). The restriction sits inside the call, so a
+    compiled layer traces it (a global switch outside would not be guarded)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    allowed = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+    def no_cudnn(module, query, key, value, attention_mask, **kwargs):
+        with sdpa_kernel(allowed):
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(NO_CUDNN, no_cudnn)
+    AttentionMaskInterface.register(NO_CUDNN, sdpa_mask)
+
+
+def build_model(size, attn, device):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(model_config(size), attn_implementation=attn, dtype=DTYPE)
+
+
+def make_batch(size, seq, padding, device):
+    """(input_ids, attention_mask or None, labels): sequence b of a left-padded batch
+    starts with b * seq // (4 * batch) padding tokens (label -100)."""
+    b = BATCH[seq]
+    gen = torch.Generator().manual_seed(seq)
+    ids = torch.randint(0, VOCAB[size], (b, seq), generator=gen)
+    if padding == "none":
+        return ids.to(device), None, ids.to(device)
+    pad = [i * seq // (4 * b) for i in range(b)]
+    mask = torch.ones(b, seq, dtype=torch.long)
+    for i, p in enumerate(pad):
+        mask[i, :p] = 0
+    return ids.to(device), mask.to(device), ids.masked_fill(mask == 0, -100).to(device)
+
+
+@dataclass
+class Contender:
+    """One attention implementation's model in a configuration: step() trains it one step."""
+
+    name: str
+    context: Callable
+    model: object
+    step: Callable = None
+
+
+def contenders_for(models):
+    """sdpa, openwam_sdpa (at default settings) and sdpa without cuDNN, each with its model."""
+    return [Contender(BASE, contextlib.nullcontext, models["sdpa"]),
+            Contender("openwam_sdpa", openwam_settings, models["openwam_sdpa"]),
+            Contender("sdpa-no-cudnn", contextlib.nullcontext, models[NO_CUDNN])]
+
+
+def trainer(model, batch):
+    """Training on batch with a fresh AdamW: (step, first_step, losses). first_step() also
+    returns the count of non-finite gradient elements before the optimizer uses them;
+    losses holds the last step's loss (on the device: reading it would synchronise)."""
+    ids, mask, labels = batch
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=ids.is_cuda)
+    losses = []
+
+    def backward():
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.detach())
+        del losses[:-1]
+
+    def step():
+        backward()
+        opt.step()
+
+    def first_step():
+        backward()
+        bad = sum(int((~torch.isfinite(p.grad)).sum()) for p in model.parameters() if p.grad is not None)
+        opt.step()
+        return bad
+
+    return step, first_step, losses
+
+
+def run_config(ow, models, init, size, mode, seq, padding, device, args):
+    """One configuration: first steps, warm-up, peak memory, then the paired rounds."""
+    entry = {"size": size, "mode": mode, "seq": seq, "batch": BATCH[seq], "padding": padding,
+             "first_step": {}, "peak_mib": {}}
+    try:
+        batch = make_batch(size, seq, padding, device)
+        contenders = contenders_for(models)
+        last_losses = {}
+        for c in contenders:
+            c.model.load_state_dict(init)
+            c.step, first_step, last_losses[c.name] = trainer(c.model, batch)
+            with c.context():
+                counter = getattr(ow, "repaired_rows", None) if c.name == "openwam_sdpa" else None
+                if counter:
+                    counter(reset=True)
+                t0 = time.perf_counter()
+                bad = first_step()
+                first = {"nonfinite_grads": bad, "loss": float(last_losses[c.name][-1]),
+                         "seconds": round(time.perf_counter() - t0, 2)}
+                if counter:
+                    first["repaired_rows"] = counter()
+                for _ in range(args.warmup - 1):
+                    c.step()
+                entry["peak_mib"][c.name] = timing.peak_mib(c.step)
+            entry["first_step"][c.name] = first
+        everyone = contenders + [timing.again(contenders[0])]
+        runs = timing.paired_rounds(everyone, lambda c: timing.step_figures(c.step, args.wall_steps), args.rounds)
+        entry["runs"] = runs
+        entry["ratios"] = {c.name: {k: timing.round_ratios(runs, c.name, BASE, k)
+                                    for k in ("gpu_ms", "host_ms", "wall_ms")} for c in everyone[1:]}
+        entry["loss_finite_at_end"] = {n: bool(torch.isfinite(v[-1]).item()) for n, v in last_losses.items()}
+    except Exception as e:  # noqa: BLE001 - e.g. out of memory: record and go on
+        entry["error"] = f"{type(e).__name__}: {e}"[:600]
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return entry
+
+
+def grid(args):
+    """(size, mode, seq, padding) in run order: per size, eager first, then compiled."""
+    out = []
+    for size in args.sizes:
+        for mode in args.modes:
+            for seq in args.lengths:
+                for padding in args.paddings:
+                    if mode == "compile" and (size not in args.compile_sizes or padding not in args.compile_paddings):
+                        continue
+                    out.append((size, mode, seq, padding))
+    return out
+
+
+def run(args):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ow, ow_error = import_openwam()  # registers "openwam_sdpa" with transformers
+    if ow is None:
+        raise SystemExit(f"openwam_sdpa not importable: {ow_error}")
+    register_no_cudnn()
+    dynamo = torch._dynamo.config  # one graph per configuration and model: more than the default 8
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo, name):
+            setattr(dynamo, name, max(getattr(dynamo, name), 64))
+            break
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    result = {"stack": stack_info(ow, ow_error, settings), "settings": settings, "configs": []}
+    print(headline(result["stack"]), flush=True)
+    t0 = time.time()
+    jobs = grid(args)
+    for size in args.sizes:
+        models = {attn: build_model(size, attn, device) for attn in ("sdpa", "openwam_sdpa", NO_CUDNN)}
+        result.setdefault("parameters", {})[size] = sum(p.numel() for p in models["sdpa"].parameters())
+        init = {k: v.clone() for k, v in models["sdpa"].state_dict().items()}
+        compiled = False
+        for job in [j for j in jobs if j[0] == size]:
+            if job[1] == "compile" and not compiled:
+                for model in models.values():
+                    for layer in model.model.layers:
+                        layer.compile(backend=args.compile_backend, dynamic=False)
+                compiled = True
+            entry = run_config(ow, models, init, *job, device, args)
+            result["configs"].append(entry)
+            print(f"[{len(result['configs'])}/{len(jobs)}] {size} {job[1]} {BATCH[job[2]]}x{job[2]} {job[3]}: "
+                  + summary_of(entry) + f" | {time.time() - t0:.0f}s", flush=True)
+            report.write_json({**result, "partial": True}, Path(args.out), "model")
+        del models, init
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    result["stack"]["elapsed_s"] = round(time.time() - t0, 1)
+    return result
+
+
+# ---------------------------------------------------------------------- report
+
+NAMES = ("openwam_sdpa", "sdpa-no-cudnn", f"{BASE}-again")
+SHORT = {"openwam_sdpa": "openwam", "sdpa-no-cudnn": "no cuDNN", f"{BASE}-again": "A/A"}
+
+
+def summary_of(entry):
+    if "error" in entry:
+        return "ERROR " + entry["error"][:200]
+    r = entry["ratios"]["openwam_sdpa"]
+    return (f"openwam / sdpa: GPU {report.spread(r['gpu_ms'])}, wall {report.spread(r['wall_ms'])}; non-finite "
+            + ", ".join(f"{n} {f['nonfinite_grads']}" for n, f in entry["first_step"].items()))
+
+
+def median_of(runs, name, key):
+    values = runs[name][key]
+    return None if None in values else timing.percentile(values, 50)
+
+
+def config_table(configs):
+    head = ["model", "mode", "batch", "padding", "sdpa GPU ms"] + [f"{SHORT[n]} GPU" for n in NAMES]
+    head += ["sdpa wall ms"] + [f"{SHORT[n]} wall" for n in NAMES]
+    head += ["host ms sdpa / openwam", "peak MiB sdpa / openwam / no cuDNN",
+             "non-finite grads, 1st step: sdpa / openwam / no cuDNN", "loss finite at end",
+             "1st step s sdpa / openwam / no cuDNN"]
+    rows = []
+    for e in configs:
+        row = [e["size"], e["mode"], f"{e['batch']}x{e['seq']}", e["padding"]]
+        if "error" in e:
+            rows.append(row + [e["error"][:80]] + [report.DASH] * (len(head) - 5))
+            continue
+        runs, r = e["runs"], e["ratios"]
+        names3 = (BASE, "openwam_sdpa", "sdpa-no-cudnn")
+        row += [report.num(median_of(runs, BASE, "gpu_ms"))] + [report.spread(r[n]["gpu_ms"]) for n in NAMES]
+        row += [report.num(median_of(runs, BASE, "wall_ms"))] + [report.spread(r[n]["wall_ms"]) for n in NAMES]
+        row += [" / ".join(report.num(median_of(runs, n, "host_ms"), "{:.1f}") for n in names3[:2]),
+                " / ".join(report.num(e["peak_mib"].get(n), "{:.0f}") for n in names3),
+                " / ".join(str(e["first_step"][n]["nonfinite_grads"]) for n in names3),
+                " / ".join("yes" if e["loss_finite_at_end"][n] else "NO" for n in names3),
+                " / ".join(f"{e['first_step'][n]['seconds']:.1f}" for n in names3)]
+        rows.append(row)
+    return report.md_table(head, rows)
+
+
+def targets(configs):
+    """Worst openwam_sdpa / sdpa (and A/A) median ratio over the configurations, GPU and wall."""
+    out = {}
+    for name in ("openwam_sdpa", f"{BASE}-again"):
+        for key in ("gpu_ms", "wall_ms"):
+            vals = [((e["ratios"][name][key] or {}).get("median"), f"{e['size']} {e['mode']} {e['seq']} {e['padding']}")
+                    for e in configs if "ratios" in e]
+            vals = [v for v in vals if v[0] is not None]
+            out[f"{name} {key}"] = max(vals) if vals else (None, None)
+    return out
+
+
+def markdown(result):
+    s = result["settings"]
+    params = ", ".join(f"{k} {v / 1e6:.1f}M parameters" for k, v in result.get("parameters", {}).items())
+    t = targets(result["configs"])
+    f = lambda x: report.num(x[0]) + (f" ({x[1]})" if x[1] else "")  # noqa: E731
+    parts = [f"### Model benchmark: {report.stack_title(result['stack'])}, transformers "
+             f"{result['stack'].get('transformers')}", "",
+             f"Randomly initialised Qwen2 causal LMs ({params}), bf16 weights, a step = forward + backward + "
+             f"AdamW (fused on CUDA). Compile: every decoder layer torch.compile'd (backend "
+             f"{s['compile_backend']}, dynamic=False). Left padding: sequence b starts with b·S/(4B) padding "
+             f"tokens. Paired rounds ({s['rounds']}, the order rotating) of sdpa, openwam_sdpa, sdpa without "
+             "cuDNN and sdpa again (A/A), from the same initial weights; per round: GPU busy time of one step "
+             "(kernels, copies and fills, from the profiler), host time of one step while a spin kernel holds "
+             f"the GPU, wall time per step over {s['wall_steps']} back-to-back steps. Ratios to sdpa: median "
+             "[min–max] over rounds of the per-round ratio. Peak memory: MiB allocated above the model, its "
+             "gradients and optimizer state during one step. Non-finite grads: elements of every parameter's "
+             "gradient after the first backward (stock's NaN on left-padded batches is the defect; the NaN "
+             "then reaches every weight, and the timing still counts). 1st step s: its wall time, "
+             "compilation included.", "",
+             config_table(result["configs"]), "",
+             f"- targets (issue 13): openwam_sdpa / sdpa GPU time at most 1.02: worst {f(t['openwam_sdpa gpu_ms'])}; "
+             f"wall time at most 1.03: worst {f(t['openwam_sdpa wall_ms'])}. A/A control: GPU worst "
+             f"{f(t[f'{BASE}-again gpu_ms'])}, wall worst {f(t[f'{BASE}-again wall_ms'])}", ""]
+    return "\n".join(parts)
+
+
+def plot(result, path):
+    plt = report.pyplot()
+    configs = [e for e in result["configs"] if "ratios" in e]
+    if plt is None or not configs:
+        return False
+    bars = [("openwam_sdpa", "gpu_ms", "openwam GPU"), ("openwam_sdpa", "wall_ms", "openwam wall"),
+            (f"{BASE}-again", "gpu_ms", "A/A GPU"), (f"{BASE}-again", "wall_ms", "A/A wall")]
+    width = 0.8 / len(bars)
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.8 * len(configs)), 5))
+    for i, (name, key, label) in enumerate(bars):
+        ys = [(e["ratios"][name][key] or {}).get("median", float("nan")) for e in configs]
+        ax.bar([j + (i - (len(bars) - 1) / 2) * width for j in range(len(configs))], ys, width, label=label)
+    report.log_ratio_axis(ax, "step time / stock sdpa (log)")
+    ax.set_xticks(range(len(configs)), [f"{e['size']} {e['mode']}\n{e['batch']}x{e['seq']} {e['padding']}"
+                                        for e in configs], fontsize=7, rotation=45, ha="right")
+    ax.set_title(f"Training step, openwam_sdpa vs stock sdpa — {report.stack_title(result['stack'])}", fontsize=9)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "model"), help="output folder")
+    p.add_argument("--sizes", default="30m,400m", help="comma-separated subset of 30m,400m")
+    p.add_argument("--lengths", default="704,4032", help="sequence lengths (batch 8 at 704, 2 at 4032)")
+    p.add_argument("--paddings", default="left,none", help="comma-separated subset of left,none")
+    p.add_argument("--modes", default="eager,compile", help="comma-separated subset of eager,compile")
+    p.add_argument("--compile-sizes", default="30m", help="sizes also run compiled (compilation takes the time)")
+    p.add_argument("--compile-paddings", default="left", help="paddings also run compiled")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
+    p.add_argument("--rounds", type=int, default=3, help="paired rounds per configuration")
+    p.add_argument("--wall-steps", type=int, default=3, help="back-to-back steps per wall-time figure")
+    p.add_argument("--warmup", type=int, default=2, help="steps per model before the rounds (the first is checked)")
+    p.add_argument("--selftest", action="store_true", help="tiny model on the CPU, then check the outputs")
+    p.add_argument("--render", metavar="MODEL_JSON",
+                   help="only write model.md and the plot from a model.json (a run cut short leaves a partial one)")
+    args = p.parse_args(argv)
+    if args.selftest:
+        args.sizes, args.lengths, args.compile_sizes = "tiny", "40", "tiny"
+        args.compile_backend, args.rounds, args.wall_steps = "aot_eager", 2, 2
+    split = lambda s: [x.strip() for x in s.split(",") if x.strip()]  # noqa: E731
+    args.sizes, args.paddings, args.modes = split(args.sizes), split(args.paddings), split(args.modes)
+    args.compile_sizes, args.compile_paddings = split(args.compile_sizes), split(args.compile_paddings)
+    args.lengths = [int(x) for x in split(args.lengths)]
+    bad = ([s for s in args.sizes + args.compile_sizes if s not in SIZES] + [x for x in args.lengths if x not in BATCH]
+           + [x for x in args.paddings + args.compile_paddings if x not in PADDINGS]
+           + [m for m in args.modes if m not in MODES])
+    if bad:
+        p.error(f"unknown size, length, padding or mode: {bad}")
+    if min(args.rounds, args.wall_steps, args.warmup) < 1:
+        p.error("--rounds, --wall-steps and --warmup must be >= 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.render:  # tables and plot of an earlier (maybe partial) run, on any machine
+        result = json.loads(Path(args.render).read_text())
+        md = markdown(result)
+        files = report.write_outputs(result, Path(args.out), "model", md, plots=(("", plot),))
+        print(md)
+        print(f"wrote {', '.join(files)} under {args.out}")
+        return
+    if not torch.cuda.is_available() and not args.selftest:
+        raise SystemExit("no CUDA device; use --selftest to check the benchmark on the CPU")
+    if args.selftest:
+        torch.set_num_threads(1)  # tiny shapes: threads would only contend with the machine's other work
+    result = run(args)
+    md = markdown(result)
+    out = Path(args.out)
+    files = report.write_outputs(result, out, "model", md, plots=(("", plot),))
+    print(md)
+    if args.selftest:
+        import selftest
+        selftest.check_model(result, md, out, args)
+    print(f"wrote {', '.join(files)} under {out}; measured in {result['stack']['elapsed_s']}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,292 @@
+"""How every benchmark here times things (shared by bench_sdpa, bench_block and bench_model).
+
+Five clocks, each for one question:
+  * per_call_ms: a CUDA event pair around each call. What a user's own timer
+    sees; it includes the host's launch work whenever a call is shorter than
+    its launches (a 0.1 ms forward is), so it can measure the CPU, not the GPU.
+  * device_ms: every repeat enqueued behind a spin kernel that holds the GPU,
+    so each event pair brackets only that call's kernels; the host time of
+    each call is taken on the way (the GPU never makes the host wait).
+  * host_ms: the host time of one whole training step while a spin holds
+    the GPU, so the host never waits for it.
+  * busy_ms: the GPU's kernel, memcpy and memset time of one call, from the
+    profiler: device time of a whole training step, whose thousands of
+    launches no spin can hold.
+  * wall_ms: back-to-back calls, synchronised once at the end: what a
+    training loop feels, host and device together.
+
+Drift of clocks and temperature over a run moves separate timings minutes
+apart by a few percent (the A/A control read up to 1.04x unpaired), so
+comparisons are paired: paired_rounds() measures every contender once per
+round, the order rotating, and a ratio is the median of the per-round
+ratios. The A/A control (again()) is the baseline measured a second time
+under another name: its distance from 1 is the run's noise floor.
+
+On a machine without CUDA every clock falls back to the host clock, which
+lets the --selftest runs exercise this code on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import torch
+
+# The spin must outlast the host's enqueueing of every repeat. It is sized
+# from the host time of the warm-up calls (SPIN_FACTOR times the enqueueing
+# it must cover), within these bounds; device_ms reports whether it did.
+SPIN_MIN_MS = 10.0
+SPIN_MAX_MS = 200.0
+SPIN_FACTOR = 3.0
+
+
+def cuda():
+    return torch.cuda.is_available()
+
+
+# ------------------------------------------------------------------ statistics
+
+
+def percentile(xs, p):
+    xs = sorted(xs)
+    pos = (len(xs) - 1) * p / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def stats(samples, unit="ms"):
+    """Median, p10, p90 and min of a list of timings, keys suffixed with the unit."""
+    return {f"median_{unit}": percentile(samples, 50), f"p10_{unit}": percentile(samples, 10),
+            f"p90_{unit}": percentile(samples, 90), f"min_{unit}": min(samples), "n": len(samples)}
+
+
+def over_rounds(values):
+    """Median, min and max of one number per round."""
+    return {"median": percentile(values, 50), "min": min(values), "max": max(values)}
+
+
+def geomean(xs):
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+# ---------------------------------------------------------------------- clocks
+
+
+def per_call_ms(fn, warmup, repeats, setup=None):
+    """stats() of fn(setup()) timed with an event pair around each call (setup untimed)."""
+    marks = []
+    for i in range(warmup + repeats):
+        arg = setup() if setup else None
+        if cuda():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(arg)
+            end.record()
+            mark = (start, end)
+        else:
+            t0 = time.perf_counter()
+            fn(arg)
+            mark = (time.perf_counter() - t0) * 1e3
+        del arg
+        if i >= warmup:
+            marks.append(mark)
+    if cuda():
+        torch.cuda.synchronize()
+        marks = [s.elapsed_time(e) for s, e in marks]
+    return stats(marks)
+
+
+_cycles_per_ms = None
+
+
+def spin(ms):
+    """Hold the current stream for about `ms` milliseconds (torch.cuda._sleep, calibrated once)."""
+    global _cycles_per_ms
+    if _cycles_per_ms is None:
+        torch.cuda._sleep(1_000_000)  # first launch pays the module load
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        _cycles_per_ms = 10_000_000 / max(start.elapsed_time(end), 1e-3)
+    torch.cuda._sleep(int(ms * _cycles_per_ms))
+
+
+def device_ms(steps, warmup, repeats, setup=None):
+    """Device time of each call, with the host kept ahead of the GPU.
+
+    steps: a callable, or a tuple of callables run as a chain (each gets the
+    previous one's result; the first gets setup()'s). A spin kernel holds the
+    stream while every repeat is enqueued, so each event pair brackets only
+    the chain's kernels (setup's run before the start event) and no host
+    launch gap. Returns stats() of the device time, plus:
+      host_us: per step of the chain, stats(unit="us") of the host time of
+               each call (the GPU never blocks the host meanwhile);
+      covered: the spin still ran when the last repeat was enqueued (False:
+               the figures may hold host time);
+      gap_us:  without a setup, the longest GPU idle time between two calls.
+    """
+    steps = steps if isinstance(steps, tuple) else (steps,)
+    host = [[] for _ in steps]
+
+    def call(events=None):
+        x = setup() if setup else None
+        if events:
+            events[0].record()
+        for i, step in enumerate(steps):
+            t0 = time.perf_counter()
+            x = step(x)
+            host[i].append((time.perf_counter() - t0) * 1e6)
+        if events:
+            events[1].record()
+
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        call()
+    warm_ms = (time.perf_counter() - t0) * 1e3 / warmup if warmup else None
+    host = [[] for _ in steps]
+    if not cuda():  # the host clock: a call's time is the sum of its steps
+        for _ in range(repeats):
+            call()
+        total = [sum(parts) / 1e3 for parts in zip(*host)]
+        return {**stats(total), "host_us": [stats(h, "us") for h in host], "covered": None, "gap_us": None}
+    torch.cuda.synchronize()
+    need_ms = SPIN_MAX_MS if warm_ms is None else SPIN_FACTOR * warm_ms * repeats
+    spin(min(SPIN_MAX_MS, max(SPIN_MIN_MS, need_ms)))
+    marks = []
+    for _ in range(repeats):
+        marks.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+        call(marks[-1])
+    covered = not marks[0][0].query()
+    torch.cuda.synchronize()
+    out = {**stats([s.elapsed_time(e) for s, e in marks]), "host_us": [stats(h, "us") for h in host],
+           "covered": covered, "gap_us": None}
+    if setup is None:
+        out["gap_us"] = max((e.elapsed_time(s) * 1e3 for (_, e), (s, _) in zip(marks, marks[1:])), default=0.0)
+    return out
+
+
+def host_ms(step, spin_ms):
+    """Host time of one step() while a spin of spin_ms holds the GPU, and whether the spin
+    still ran when the step returned (None without CUDA). For whole training steps, whose
+    launches may fill the GPU's queue: the host then waits, and covered is False."""
+    if not cuda():
+        t0 = time.perf_counter()
+        step()
+        return (time.perf_counter() - t0) * 1e3, None
+    torch.cuda.synchronize()
+    spin(spin_ms)
+    mark = torch.cuda.Event()
+    mark.record()
+    t0 = time.perf_counter()
+    step()
+    ms = (time.perf_counter() - t0) * 1e3
+    covered = not mark.query()
+    torch.cuda.synchronize()
+    return ms, covered
+
+
+# Device activities of the profiler that are GPU work (not annotations or runtime calls).
+_DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def busy_ms(step):
+    """GPU busy time of one step(): the sum of its kernels, copies and fills (None without CUDA)."""
+    if not cuda():
+        step()
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.profiler.kineto_results.events()
+    cuda_type = torch._C._autograd.DeviceType.CUDA
+
+    def device_work(e):
+        if hasattr(e, "activity_type"):  # torch >= 2.12 names the activity
+            return e.activity_type() in _DEVICE_WORK
+        # torch 2.11: every event on the GPU but user annotations
+        return e.device_type() == cuda_type and not getattr(e, "is_user_annotation", lambda: False)()
+
+    work = [e for e in events if device_work(e)]
+    return sum(e.duration_ns() for e in work) / 1e6 if work else None
+
+
+def wall_ms(step, n):
+    """Mean wall time of n back-to-back step() calls, synchronised once at the end."""
+    if cuda():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    if cuda():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / n
+
+
+def step_figures(step, wall_steps):
+    """The figures of a training step: wall_ms (mean of wall_steps back-to-back steps), host_ms
+    (one step, GPU held by a spin longer than a whole step) with its covered flag, and gpu_ms
+    (busy_ms of one step)."""
+    wall = wall_ms(step, wall_steps)
+    host, covered = host_ms(step, spin_ms=max(SPIN_MIN_MS, 1.5 * wall))
+    return {"wall_ms": wall, "host_ms": host, "covered": covered, "gpu_ms": busy_ms(step)}
+
+
+def peak_mib(fn):
+    """Peak memory allocated by fn() above what was allocated before it (None without CUDA)."""
+    if not cuda():
+        fn()
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2.0**20
+
+
+# -------------------------------------------------------------- paired rounds
+
+
+def again(contender):
+    """The A/A control: the same contender (a dataclass) under the name '<name>-again'."""
+    return dataclasses.replace(contender, name=f"{contender.name}-again")
+
+
+def paired_rounds(contenders, measure, rounds):
+    """Measure every contender once per round, the order rotating from round to round.
+
+    contenders: objects with .name and .context() (entered around each of
+    its measurements); measure(contender) -> {key: number}. Returns
+    {name: {key: [one number per round]}}.
+    """
+    runs = {c.name: {} for c in contenders}
+    for r in range(rounds):
+        shift = r % len(contenders)
+        for c in contenders[shift:] + contenders[:shift]:
+            with c.context():
+                for key, value in measure(c).items():
+                    runs[c.name].setdefault(key, []).append(value)
+    return runs
+
+
+def round_ratios(runs, name, base, key):
+    """over_rounds() of contender `name`'s per-round ratio to `base` on `key` (None if missing)."""
+    pairs = list(zip(runs[name].get(key, []), runs[base].get(key, [])))
+    if not pairs or any(a is None or b is None or b == 0 for a, b in pairs):
+        return None
+    return over_rounds([a / b for a, b in pairs])
+
+
+def round_deltas(runs, name, base, key):
+    """over_rounds() of contender `name`'s per-round difference from `base` on `key` (None if missing)."""
+    pairs = list(zip(runs[name].get(key, []), runs[base].get(key, [])))
+    if not pairs or any(a is None or b is None for a, b in pairs):
+        return None
+    return over_rounds([a - b for a, b in pairs])

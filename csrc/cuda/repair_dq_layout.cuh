@@ -1,0 +1,180 @@
+// Index arithmetic of the dQ-row repair, shared by host and device.
+//
+// Everything here is plain integer math with no CUDA intrinsic, so the CPU
+// tests (and the CPU emulation of the kernels) check the very functions the
+// kernels use: the shared-memory swizzle, which tile element each lane of an
+// mma.sync holds, which row address each lane hands to ldmatrix, how work
+// items map to heads and tiles, and how many blocks the tile kernel gets.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define OPENWAM_HD __host__ __device__ __forceinline__
+#else
+#define OPENWAM_HD inline
+#endif
+
+namespace openwam {
+namespace repair {
+
+// Query rows per tile: 4 warps x 16 rows (the m of mma.m16n8k16).
+constexpr int kTileRows = 64;
+// Keys per pipeline stage.
+constexpr int kKeyBlock = 64;
+// Threads of the tile kernel (4 warps) and of the scan kernel.
+constexpr int kTileThreads = 128;
+constexpr int kScanThreads = 256;
+// Rows each scan thread reads per round (consecutive, so that the compacted
+// row list comes out in ascending order).
+constexpr int kScanRowsPerThread = 4;
+// A tile with at most this many rows is "narrow": all 4 warps share its 16
+// rows and split each key block four ways instead of idling 3 warps.
+constexpr int kNarrowRows = 16;
+// Row pitch of the bias tile in shared memory, in elements: 8 more than a
+// key block, so that the 8 rows a warp reads at once sit 4 banks apart.
+constexpr int kBiasPitch = kKeyBlock + 8;
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <typename T>
+OPENWAM_HD T cmin(T a, T b) { return a < b ? a : b; }
+template <typename T>
+OPENWAM_HD T cmax(T a, T b) { return a < b ? b : a; }
+
+// One entry of a head's list of rows to recompute: the query row and its
+// logsumexp (kept beside it, which saves the tile kernel a dependent load).
+struct RowEntry {
+  int32_t row;
+  float lse;
+};
+
+// ---------------------------------------------------------------- tiles
+// Q, dO, K and V tiles live in shared memory as rows of kChunks 16-byte
+// chunks (8 elements each). Chunk c of row r is stored at chunk c ^ (r % 8):
+// ldmatrix reads one chunk column of 8 consecutive rows, and this XOR puts
+// those 8 chunks in 8 different bank groups (no conflicts); the cp.async
+// writes of a row stay contiguous in 128-byte groups.
+template <int kChunks>
+OPENWAM_HD int tile_offset(int row, int chunk) {
+  static_assert(kChunks >= 8 && kChunks % 8 == 0, "a row must hold at least 8 chunks");
+  return (row * kChunks + (chunk ^ (row & 7))) * 16;
+}
+
+// The same offset split for ldmatrix, whose rows always start at a multiple
+// of 8 plus lane % 8: tile_offset<kChunks>(row, 2 step + bit) equals
+//   row * kChunks * 16 + lane_chunk_offset(lane, bit, step % 4) + step_offset(step).
+// With `step` a compile-time constant, a kernel keeps 4 lane offsets in
+// registers and the rest folds into the instruction's immediate offset
+// (instead of one register per address, which spills at head_dim 256).
+OPENWAM_HD int lane_chunk_offset(int lane, int bit, int step4) {
+  return ((2 * step4 + bit) ^ (lane & 7)) * 16;
+}
+OPENWAM_HD constexpr int step_offset(int step) { return (step >> 2) * 128; }
+
+// ---------------------------------------------------------------- mma.m16n8k16
+// Lane `lane` of a warp holds accumulator elements e = 0..3 of a 16 x 8 tile
+// at (frag_row, frag_col) (PTX ISA, "Matrix Fragments for mma.m16n8k16"):
+// e = 0, 1 in row lane / 4, e = 2, 3 eight rows below; columns 2 (lane % 4)
+// and one more.
+OPENWAM_HD int frag_row(int lane, int e) { return (lane >> 2) + ((e & 2) << 2); }
+OPENWAM_HD int frag_col(int lane, int e) { return ((lane & 3) << 1) + (e & 1); }
+
+// ldmatrix.x4: lane l hands over the address of row l % 8 of matrix l / 8,
+// and receives register m filled from matrix m. The three uses:
+//
+// A operand (16 x 16 of a row-major [row][k] tile, one k-step): matrices
+// (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15,
+// k 8-15) give registers a0..a3 in mma order.
+OPENWAM_HD int ldsm_a_row(int lane) { return lane & 15; }
+OPENWAM_HD int ldsm_a_chunk(int lane) { return lane >> 4; }
+// B operand of two n-tiles from an [n][k] tile (keys x head_dim, for Q K^T
+// and dO V^T), one k-step: matrices (n 0-7, k 0-7), (n 0-7, k 8-15),
+// (n 8-15, k 0-7), (n 8-15, k 8-15) = {b0, b1} of n-tile 0, then of n-tile 1.
+OPENWAM_HD int ldsm_b_row(int lane) { return ((lane >> 4) << 3) + (lane & 7); }
+OPENWAM_HD int ldsm_b_chunk(int lane) { return (lane >> 3) & 1; }
+// B operand of two n-tiles from a [k][n] tile (keys x head_dim, for dS K)
+// with ldmatrix .trans, one k-step: matrices (k 0-7, n 0-7), (k 8-15, n 0-7),
+// (k 0-7, n 8-15), (k 8-15, n 8-15) = {b0, b1} of n-tile 0, then n-tile 1.
+OPENWAM_HD int ldsm_bt_row(int lane) { return (((lane >> 3) & 1) << 3) + (lane & 7); }
+OPENWAM_HD int ldsm_bt_chunk(int lane) { return lane >> 4; }
+
+// ---------------------------------------------------------------- work
+// The tile kernel's work items are (head, tile) pairs, head-major:
+// item = head * tiles_per_head + tile, tile t holding the head's affected
+// rows 64 t .. 64 t + 63 (in row order). Block b takes items b, b + G,
+// b + 2 G, ... (G = grid size). Head-major keeps the tiles of one head in
+// neighbouring blocks at the same time, so its K and V are read from L2.
+OPENWAM_HD int64_t item_head(int64_t item, int64_t tiles_per_head) { return item / tiles_per_head; }
+OPENWAM_HD int64_t item_tile(int64_t item, int64_t tiles_per_head) { return item % tiles_per_head; }
+
+OPENWAM_HD int64_t gcd64(int64_t a, int64_t b) {
+  while (b != 0) {
+    const int64_t t = a % b;
+    a = b;
+    b = t;
+  }
+  return a;
+}
+
+// Grid size of the tile kernel: at most one block per resident slot
+// (`slots` = blocks per SM x SMs; the kernel loops over its items), and
+// coprime with tiles_per_head. Coprime matters when each head has one tile
+// (one affected row per head): those items are multiples of tiles_per_head,
+// and only a coprime stride spreads them over every block.
+inline int64_t tile_grid_size(int64_t n_items, int64_t tiles_per_head, int64_t slots) {
+  int64_t grid = cmax<int64_t>(1, cmin(n_items, slots));
+  while (grid > 1 && gcd64(grid, tiles_per_head) != 1) {
+    --grid;
+  }
+  return grid;
+}
+
+// The compiled head_dim widths: 64, 128 and 256 (0: over 256). A head_dim
+// below its width is zero-filled in shared memory.
+OPENWAM_HD int head_dim_width(int64_t head_dim) {
+  return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : head_dim <= 256 ? 256 : 0;
+}
+
+// ---------------------------------------------------------------- smem
+// Shared memory of the tile kernel (bytes), in this order: a small header
+// (work list, row indices, logsumexp, delta), `stages` pipeline stages of K,
+// V (and the bias tile when there is a bias), then Q and dO unless they are
+// staged through the last stage on their way into registers (head_dim <=
+// 128; the prologue fills the other stages meanwhile).
+struct TileSmem {
+  static constexpr int kHeaderBytes = 2048;
+  int width;      // compiled head_dim width
+  bool has_bias;
+  int stages;     // 2 or 3
+
+  OPENWAM_HD int row_bytes() const { return width * 2; }
+  OPENWAM_HD int kv_tile_bytes() const { return kKeyBlock * row_bytes(); }
+  OPENWAM_HD int q_tile_bytes() const { return kTileRows * row_bytes(); }
+  OPENWAM_HD int bias_tile_bytes() const { return kTileRows * kBiasPitch * 2; }
+  OPENWAM_HD bool q_in_registers() const { return width <= 128; }
+  OPENWAM_HD int stage_bytes() const {
+    return 2 * kv_tile_bytes() + (has_bias ? bias_tile_bytes() : 0);
+  }
+  OPENWAM_HD int stage(int s) const { return kHeaderBytes + s * stage_bytes(); }
+  OPENWAM_HD int q_tile() const {
+    return q_in_registers() ? stage(stages - 1) : stage(stages);
+  }
+  OPENWAM_HD int do_tile() const { return q_tile() + q_tile_bytes(); }
+  OPENWAM_HD int total() const {
+    return stage(stages) + (q_in_registers() ? 0 : 2 * q_tile_bytes());
+  }
+};
+
+// Pipeline depth: 3 stages (two key blocks in flight while one is used)
+// where `blocks_per_sm` blocks still fit in an SM's shared memory with them,
+// else 2. A third stage matters most when few blocks stream long keys (one
+// affected row per head).
+inline int tile_stages(int width, bool has_bias, int blocks_per_sm, int smem_per_sm,
+                       int reserved_per_block) {
+  const TileSmem three{width, has_bias, 3};
+  return blocks_per_sm * (three.total() + reserved_per_block) <= smem_per_sm ? 3 : 2;
+}
+
+}  // namespace repair
+}  // namespace openwam

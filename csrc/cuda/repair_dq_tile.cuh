@@ -1,0 +1,370 @@
+// Second kernel of the dQ-row repair: recompute the listed rows on tensor
+// cores.
+//
+// With lse and delta_i = dO_i . o_i known, a row's gradient is
+//   dQ_i = scale * sum_j P_ij (dO_i . v_j - delta_i) k_j,
+//   P_ij = exp(scale q_i . k_j + bias_ij - lse_i),
+// the dQ half of a FlashAttention-2 backward with the softmax statistics
+// given. A tile is up to 64 listed rows of one head (rows gathered by index,
+// so 10% of rows cost about 10% of a full dQ pass, not all of it), walked
+// over key blocks of 64 on tensor cores (repair_dq_tile_warp.cuh), K and V
+// (and the bias tile) streaming through a 2- or 3-stage cp.async pipeline
+// (repair_dq_tile_load.cuh, tile_stages). Each warp owns 16 rows; a tile of
+// at most 16 rows ("narrow": one affected row per head) has all 4 warps on
+// the same rows, each taking 16 keys of a block, and sums the 4 partial dQ
+// at the end.
+//
+// Work: the grid is persistent (see tile_grid_size); a block walks its
+// (head, tile) items, skipping those past the head's count from the scan
+// kernel, 128 items per load of the counts. On ordinary data every item is
+// empty and the kernel costs one read of B*H counts.
+//
+// Registers: for head_dim <= 128 the 16 rows of Q and dO of a warp stay in
+// registers for the whole tile (staged once through the last pipeline stage);
+// at 256 they are read from shared memory at every k-step.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "repair_dq_layout.cuh"
+#include "repair_dq_tile_load.cuh"
+#include "repair_dq_tile_warp.cuh"
+#ifndef OPENWAM_REPAIR_EMULATE  // the CPU emulation of the tests brings its own
+#include "repair_dq_ptx.cuh"
+#endif
+
+namespace openwam {
+namespace repair {
+
+struct RowStrides {
+  int64_t b, h, s;  // the last dimension is contiguous
+};
+
+struct TileParams {
+  const uint16_t* q;
+  const uint16_t* k;
+  const uint16_t* v;
+  const uint16_t* o;
+  const uint16_t* go;
+  const uint16_t* bias;  // nullptr: no bias
+  uint16_t* dq;
+  RowStrides q_st, k_st, v_st, o_st, go_st, dq_st;
+  int64_t bias_b, bias_h, bias_s, bias_e;
+  const int32_t* counts;  // from the scan kernel
+  const RowEntry* rows;
+  int64_t heads, kv_group, s_q;
+  int s_kv;
+  int head_dim;
+  int64_t tiles_per_head, n_items;
+  int stages;        // pipeline depth, 2 or 3 (tile_stages)
+  float scale;       // softmax scale
+  float scale_log2;  // scale * log2(e)
+  bool causal;       // top-left: row i sees keys 0..i
+  bool vec;          // q, k, v, out, grad_out rows 16-byte aligned: cp.async
+  bool bias_vec;     // bias rows 16-byte aligned, keys contiguous: cp.async
+  bool dq_pair;      // dQ element pairs 4-byte aligned: 32-bit stores
+};
+
+// The shared-memory header: the block's work list and the current tile's
+// rows (TileSmem::kHeaderBytes).
+struct TileHeader {
+  int* items;    // [kTileThreads]: index k of item first + k * grid
+  int* counts;   // [kTileThreads]: the item's head count
+  int* row;      // [kTileRows]: query row, -1 past the tile's rows
+  float* lse2;   // [kTileRows]
+  float* delta;  // [kTileRows]
+  int* warp_sums;  // [kTileThreads / 32]
+
+  __device__ __forceinline__ explicit TileHeader(unsigned char* smem)
+      : items(reinterpret_cast<int*>(smem)),
+        counts(items + kTileThreads),
+        row(counts + kTileThreads),
+        lse2(reinterpret_cast<float*>(row + kTileRows)),
+        delta(lse2 + kTileRows),
+        warp_sums(reinterpret_cast<int*>(delta + kTileRows)) {}
+};
+static_assert((2 * kTileThreads + 3 * kTileRows + kTileThreads / 32) * 4 <=
+                  TileSmem::kHeaderBytes,
+              "the header outgrew its bytes");
+
+// Recompute and write the dQ rows of tile `tile` of head `head` (`count`
+// rows listed for the head). All threads of the block call it.
+template <class Elt, int kWidth>
+__device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem& layout,
+                                            const TileHeader& hdr, int64_t head, int64_t tile,
+                                            int count) {
+  using Shape = TileShape<kWidth>;
+  constexpr int kChunks = Shape::kChunks;
+  unsigned char* smem = smem_base();
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int n_rows = static_cast<int>(cmin<int64_t>(kTileRows, count - tile * kTileRows));
+  const int64_t b = head / p.heads;
+  const int64_t h = head % p.heads;
+  const int64_t hk = h / p.kv_group;
+  const bool has_bias = p.bias != nullptr;
+
+  if (tid < kTileRows) {
+    int row = -1;
+    float lse2 = INFINITY;
+    if (tid < n_rows) {
+      const RowEntry e = p.rows[head * p.s_q + tile * kTileRows + tid];
+      row = e.row;
+      lse2 = e.lse * kLog2e;
+    }
+    hdr.row[tid] = row;
+    hdr.lse2[tid] = lse2;
+  }
+  __syncthreads();
+
+  // Rows are listed in order: the last one sees the most keys under is_causal.
+  const int kv_end = p.causal ? cmin(p.s_kv, hdr.row[n_rows - 1] + 1) : p.s_kv;
+  const int n_blocks = (kv_end + kKeyBlock - 1) / kKeyBlock;
+
+  const uint16_t* q_head = p.q + b * p.q_st.b + h * p.q_st.h;
+  const uint16_t* go_head = p.go + b * p.go_st.b + h * p.go_st.h;
+  const uint16_t* o_head = p.o + b * p.o_st.b + h * p.o_st.h;
+  const uint16_t* k_head = p.k + b * p.k_st.b + hk * p.k_st.h;
+  const uint16_t* v_head = p.v + b * p.v_st.b + hk * p.v_st.h;
+  const uint16_t* bias_head = has_bias ? p.bias + b * p.bias_b + h * p.bias_h : nullptr;
+  uint16_t* dq_head = p.dq + b * p.dq_st.b + h * p.dq_st.h;
+  const unsigned char* do_tile = smem + layout.do_tile();
+
+  const TileLoader<kChunks> loader(p.head_dim);
+  auto load_key_block = [&](int kb, int stage_index) {
+    const int stage = layout.stage(stage_index);
+    loader.keys(stage, k_head, p.k_st.s, kb * kKeyBlock, p.s_kv, p.vec);
+    loader.keys(stage + layout.kv_tile_bytes(), v_head, p.v_st.s, kb * kKeyBlock, p.s_kv, p.vec);
+    if (has_bias) {
+      load_bias_tile(stage + 2 * layout.kv_tile_bytes(), bias_head, p.bias_s, p.bias_e, p.s_kv,
+                     hdr.row, n_rows, kb, p.bias_vec);
+    }
+  };
+
+  // Q and dO of the listed rows (one group), then key blocks 0 .. stages-2
+  // (a group each). Every group is committed even when empty, so that "all
+  // but the newest stages-1 groups" always means "up to the block needed".
+  loader.rows(layout.q_tile(), q_head, p.q_st.s, hdr.row, n_rows, p.vec);
+  loader.rows(layout.do_tile(), go_head, p.go_st.s, hdr.row, n_rows, p.vec);
+  cp_async_commit();
+  for (int s = 0; s + 1 < layout.stages; ++s) {
+    if (s < n_blocks) load_key_block(s, s);
+    cp_async_commit();
+  }
+  auto wait_all_but_newest = [&]() {  // stages - 1 groups may stay in flight
+    if (layout.stages == 3) {
+      cp_async_wait<2>();
+    } else {
+      cp_async_wait<1>();
+    }
+  };
+
+  // delta = dO . o in fp32: two threads per row, each half of head_dim;
+  // the output rows go straight to registers while Q and dO land.
+  {
+    const int r = tid >> 1;
+    const int half = tid & 1;
+    constexpr int kHalf = kChunks / 2;
+    uint4 o[kHalf];
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) {
+      const int c = half * kHalf + i;
+      const uint16_t* src =
+          r < n_rows && c * 8 < p.head_dim ? o_head + hdr.row[r] * p.o_st.s + c * 8 : nullptr;
+      o[i].x = o[i].y = o[i].z = o[i].w = 0u;
+      if (src != nullptr) {
+        o[i] = p.vec ? *reinterpret_cast<const uint4*>(src) : load8_scalar(src);
+      }
+    }
+    wait_all_but_newest();  // Q and dO landed
+    __syncthreads();
+    float dot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) {
+      const uint4 g = *reinterpret_cast<const uint4*>(
+          do_tile + tile_offset<kChunks>(r, half * kHalf + i));
+      dot += dot8<Elt>(g, o[i]);
+    }
+    dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+    if (half == 0) hdr.delta[r] = dot;
+  }
+
+  const bool narrow = n_rows <= kNarrowRows;
+  const int row0 = narrow ? 0 : warp * 16;
+  const bool active = narrow || row0 < n_rows;
+
+  const LaneChunks lc(lane);
+  const uint32_t smem_s = smem_u32(smem);
+  const uint32_t q_tile_s = smem_s + layout.q_tile();
+  const uint32_t do_tile_s = smem_s + layout.do_tile();
+  uint32_t qf[Shape::kFrags][4];
+  uint32_t dof[Shape::kFrags][4];
+  if constexpr (Shape::kQInRegs) {
+    if (active) {
+      const int row_off = (row0 + ldsm_a_row(lane)) * (kWidth * 2);
+#pragma unroll
+      for (int kk = 0; kk < Shape::kKSteps; ++kk) {
+        const int off = row_off + lc.hi[kk & 3] + step_offset(kk);
+        ldsm_x4(qf[kk], q_tile_s + off);
+        ldsm_x4(dof[kk], do_tile_s + off);
+      }
+    }
+  }
+  __syncthreads();  // delta written; the stage where Q, dO were staged is free
+
+  WarpRows wr;
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int r = row0 + frag_row(lane, 2 * rr);
+    wr.row[rr] = hdr.row[r];
+    wr.lse2[rr] = hdr.lse2[r];
+    wr.delta[rr] = hdr.delta[r];
+    wr.limit[rr] = wr.row[rr] < 0 ? 0 : p.causal ? cmin(p.s_kv, wr.row[rr] + 1) : p.s_kv;
+  }
+
+  float acc[Shape::kDTiles][4];
+#pragma unroll
+  for (int j = 0; j < Shape::kDTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+
+  int use = 0;                   // the stage of block kb
+  int fill = layout.stages - 1;  // the stage of block kb + stages - 1
+  for (int kb = 0; kb < n_blocks; ++kb) {
+    if (kb + layout.stages - 1 < n_blocks) load_key_block(kb + layout.stages - 1, fill);
+    cp_async_commit();
+    wait_all_but_newest();  // block kb landed
+    __syncthreads();
+    if (active) {
+      const uint32_t stage = smem_s + layout.stage(use);
+      const uint16_t* bias_tile =
+          has_bias ? reinterpret_cast<const uint16_t*>(smem + layout.stage(use) +
+                                                       2 * layout.kv_tile_bytes())
+                   : nullptr;
+      const int key_base = kb * kKeyBlock;
+      if (narrow) {
+        warp_key_block<Elt, kWidth, 2>(acc, qf, dof, q_tile_s, do_tile_s, stage, bias_tile,
+                                       layout.kv_tile_bytes(), 0, warp * 16, key_base,
+                                       p.scale_log2, wr, lc, lane);
+      } else {
+#pragma unroll
+        for (int part = 0; part < kKeyBlock / (8 * Shape::kWideNT); ++part) {
+          warp_key_block<Elt, kWidth, Shape::kWideNT>(
+              acc, qf, dof, q_tile_s, do_tile_s, stage, bias_tile, layout.kv_tile_bytes(), row0,
+              part * 8 * Shape::kWideNT, key_base, p.scale_log2, wr, lc, lane);
+        }
+      }
+    }
+    __syncthreads();  // this stage is refilled next iteration
+    use = use + 1 == layout.stages ? 0 : use + 1;
+    fill = fill + 1 == layout.stages ? 0 : fill + 1;
+  }
+  cp_async_wait<0>();
+
+  if (narrow) {  // sum the 4 warps' partial dQ (key quarters) into warp 0
+    float4* partial = reinterpret_cast<float4*>(smem + layout.stage(0));
+    if (warp > 0) {
+#pragma unroll
+      for (int j = 0; j < Shape::kDTiles; ++j) {
+        float4 v;
+        v.x = acc[j][0];
+        v.y = acc[j][1];
+        v.z = acc[j][2];
+        v.w = acc[j][3];
+        partial[((warp - 1) * Shape::kDTiles + j) * 32 + lane] = v;
+      }
+    }
+    __syncthreads();
+    if (warp == 0) {
+      for (int w = 0; w < 3; ++w) {
+#pragma unroll
+        for (int j = 0; j < Shape::kDTiles; ++j) {
+          const float4 v = partial[(w * Shape::kDTiles + j) * 32 + lane];
+          acc[j][0] += v.x;
+          acc[j][1] += v.y;
+          acc[j][2] += v.z;
+          acc[j][3] += v.w;
+        }
+      }
+    }
+  }
+
+  if (active && (!narrow || warp == 0)) {
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      if (wr.row[rr] < 0) continue;
+      uint16_t* dst = dq_head + wr.row[rr] * p.dq_st.s;
+#pragma unroll
+      for (int j = 0; j < Shape::kDTiles; ++j) {
+        if (8 * j >= p.head_dim) break;
+        const int col = 8 * j + frag_col(lane, 0);
+        const float v0 = acc[j][2 * rr] * p.scale;
+        const float v1 = acc[j][2 * rr + 1] * p.scale;
+        if (p.dq_pair) {
+          *reinterpret_cast<uint32_t*>(dst + col) = Elt::pack(v0, v1);
+        } else {
+          dst[col] = Elt::from_float(v0);
+          dst[col + 1] = Elt::from_float(v1);
+        }
+      }
+    }
+  }
+  __syncthreads();  // the header and the stages are reused by the next tile
+}
+
+template <class Elt, int kWidth>
+__device__ __forceinline__ void repair_tiles(const TileParams& p) {
+  unsigned char* smem = smem_base();
+  const TileHeader hdr(smem);
+  const TileSmem layout{kWidth, p.bias != nullptr, p.stages};
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int64_t grid = gridDim.x;
+  for (int64_t first = blockIdx.x; first < p.n_items; first += grid * kTileThreads) {
+    // Which of this block's next 128 items have rows: one load each.
+    const int64_t item = first + tid * grid;
+    int count = 0;
+    bool has_rows = false;
+    if (item < p.n_items) {
+      count = p.counts[item_head(item, p.tiles_per_head)];
+      has_rows = count > item_tile(item, p.tiles_per_head) * kTileRows;
+    }
+    const unsigned ballot = __ballot_sync(0xffffffffu, has_rows);
+    if (lane == 0) hdr.warp_sums[warp] = __popc(ballot);
+    __syncthreads();
+    int pos = __popc(ballot & ((1u << lane) - 1u));
+    int n = 0;
+#pragma unroll
+    for (int w = 0; w < kTileThreads / 32; ++w) {
+      pos += w < warp ? hdr.warp_sums[w] : 0;
+      n += hdr.warp_sums[w];
+    }
+    if (has_rows) {
+      hdr.items[pos] = tid;
+      hdr.counts[pos] = count;
+    }
+    __syncthreads();
+    for (int e = 0; e < n; ++e) {
+      const int64_t it = first + hdr.items[e] * grid;
+      repair_tile<Elt, kWidth>(p, layout, hdr, item_head(it, p.tiles_per_head),
+                               item_tile(it, p.tiles_per_head), hdr.counts[e]);
+    }
+    __syncthreads();  // items and warp_sums are rewritten by the next batch
+  }
+}
+
+// Blocks per SM the registers are capped for: 3 at head_dim <= 64 (168
+// registers, no spill), 2 at 128 (255), 1 at 256 (shared memory allows no
+// more).
+template <int kWidth>
+constexpr int kTileBlocksPerSm = kWidth <= 64 ? 3 : kWidth <= 128 ? 2 : 1;
+
+template <class Elt, int kWidth>
+__global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSm<kWidth>)
+    repair_tile_kernel(const TileParams p) {
+  repair_tiles<Elt, kWidth>(p);
+}
+
+}  // namespace repair
+}  // namespace openwam

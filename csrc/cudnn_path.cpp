@@ -1,0 +1,154 @@
+#include "cudnn_path.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <torch/library.h>
+
+#include <memory>
+#include <type_traits>
+
+#include "cudnn_attention.h"
+#include "ops.h"
+
+namespace openwam {
+namespace {
+
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+
+// torch 2.11 holds autograd nodes in std::shared_ptr, later releases in
+// c10::intrusive_ptr: these two helpers make and re-own a node either way.
+// (Templates on N so that only the matching branch is compiled.)
+using NodePtr = decltype(torch::autograd::Edge::function);
+
+template <typename Ptr, typename N>
+struct NodeOwnership;
+template <typename N>
+struct NodeOwnership<std::shared_ptr<Node>, N> {
+  template <typename T>
+  static NodePtr make() { return std::make_shared<T>(); }
+  static NodePtr self(N* node) { return node->shared_from_this(); }
+};
+template <typename N>
+struct NodeOwnership<c10::intrusive_ptr<Node>, N> {
+  template <typename T>
+  static NodePtr make() { return c10::make_intrusive<T>(); }
+  static NodePtr self(N* node) { return c10::intrusive_ptr<Node>::reclaim_copy(node); }
+};
+using Ownership = NodeOwnership<NodePtr, Node>;
+
+// The backward of openwam::_cudnn_sdpa: calls openwam::_cudnn_sdpa_backward
+// through the dispatcher, so that torch.compile records it as one op of the
+// backward graph.
+struct CudnnSdpaBackward final : public Node {
+  SavedVariable query, key, value, bias, out, logsumexp, philox_seed, philox_offset;
+  bool has_bias = false;
+  double dropout_p = 0.0;
+  bool is_causal = false;
+  std::optional<double> scale;
+  int64_t plan = 0;
+
+  variable_list apply(variable_list&& grads) override {
+    const at::Tensor& grad_out = grads[0];
+    if (!grad_out.defined()) {
+      return variable_list(3);  // an undefined gradient means zero
+    }
+    const NodePtr self = Ownership::self(this);
+    std::optional<at::Tensor> bias_opt;
+    if (has_bias) {
+      bias_opt = bias.unpack();
+    }
+    auto [dq, dk, dv] = ops::cudnn_sdpa_backward().call(
+        grad_out, query.unpack(), key.unpack(), value.unpack(), bias_opt,
+        out.unpack(self), logsumexp.unpack(self), philox_seed.unpack(self),
+        philox_offset.unpack(self), dropout_p, is_causal, scale, plan);
+    variable_list result(3);
+    if (task_should_compute_output(0)) result[0] = std::move(dq);
+    if (task_should_compute_output(1)) result[1] = std::move(dk);
+    if (task_should_compute_output(2)) result[2] = std::move(dv);
+    return result;
+  }
+
+  std::string name() const override { return "openwam::CudnnSdpaBackward"; }
+
+  void release_variables() override {
+    for (SavedVariable* v : {&query, &key, &value, &bias, &out, &logsumexp,
+                             &philox_seed, &philox_offset}) {
+      v->reset_data();
+    }
+  }
+};
+
+// The Autograd kernel of openwam::_cudnn_sdpa: runs the op below autograd and,
+// when q, k or v need a gradient, records CudnnSdpaBackward for its output.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cudnn_sdpa_autograd(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_bias, double dropout_p, bool is_causal,
+    std::optional<double> scale, bool compute_log_sumexp, int64_t plan) {
+  const bool needs_grad = torch::autograd::compute_requires_grad(query, key, value);
+  TORCH_CHECK(!needs_grad || compute_log_sumexp,
+              "openwam::_cudnn_sdpa: a call that needs a gradient must compute "
+              "the logsumexp (compute_log_sumexp=True)");
+  TORCH_CHECK(!at::GradMode::is_enabled() || !attn_bias.has_value() ||
+                  !attn_bias->requires_grad(),
+              "openwam::_cudnn_sdpa: attn_bias must not require grad (the cuDNN "
+              "path does not differentiate the mask)");
+  auto result = [&] {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return ops::cudnn_sdpa().call(query, key, value, attn_bias, dropout_p, is_causal,
+                                  scale, compute_log_sumexp, plan);
+  }();
+  if (needs_grad) {
+    NodePtr node_ptr = Ownership::make<CudnnSdpaBackward>();
+    auto* node = static_cast<CudnnSdpaBackward*>(node_ptr.get());
+    node->set_next_edges(torch::autograd::collect_next_edges(query, key, value));
+    node->query = SavedVariable(query, false);
+    node->key = SavedVariable(key, false);
+    node->value = SavedVariable(value, false);
+    node->has_bias = attn_bias.has_value();
+    if (node->has_bias) {
+      node->bias = SavedVariable(*attn_bias, false);
+    }
+    node->dropout_p = dropout_p;
+    node->is_causal = is_causal;
+    node->scale = scale;
+    node->plan = plan;
+    const at::Tensor& out = std::get<0>(result);
+    torch::autograd::set_history(out, node_ptr);
+    node->out = SavedVariable(out, true);
+    node->logsumexp = SavedVariable(std::get<1>(result), true);
+    node->philox_seed = SavedVariable(std::get<2>(result), true);
+    node->philox_offset = SavedVariable(std::get<3>(result), true);
+  }
+  return result;
+}
+
+}  // namespace
+
+at::Tensor run_cudnn_path(const SdpaCall& call, const Decision& decision) {
+  // cuDNN takes [B, H, S, E]; a 3-D [N, S, E] call gets a unit head axis
+  // (a view, so autograd maps the gradients back).
+  const bool three_d = call.query.dim() == 3;
+  const at::Tensor q = three_d ? call.query.unsqueeze(1) : call.query;
+  const at::Tensor k = three_d ? call.key.unsqueeze(1) : call.key;
+  const at::Tensor v = three_d ? call.value.unsqueeze(1) : call.value;
+  std::optional<at::Tensor> bias;
+  if (call.attn_mask.has_value()) {
+    bias = cudnn_bias(*call.attn_mask, call.query.scalar_type(), call.query.dim(),
+                      call.key.sym_size(-2));
+  }
+  at::Tensor out = std::get<0>(ops::cudnn_sdpa().call(
+      q, k, v, bias, call.dropout_p, call.is_causal, call.scale,
+      /*compute_log_sumexp=*/call.differentiated(), decision.plan.to_int()));
+  return three_d ? out.squeeze(1) : out;
+}
+
+}  // namespace openwam
+
+TORCH_LIBRARY_IMPL(openwam, Autograd, m) {
+  m.impl("_cudnn_sdpa", &openwam::cudnn_sdpa_autograd);
+}

@@ -1,0 +1,298 @@
+// The kernels of the cuDNN path's leaf ops, openwam::_cudnn_sdpa and
+// openwam::_cudnn_sdpa_backward. One body per op carries out the plan
+// (plan.h) around an attention "engine": ATen's cuDNN attention on CUDA, the
+// fp32 reference (reference_attention.h) on the CPU, so that the plans'
+// padding and repair are tested on the CPU too. The Meta kernels give the
+// outputs' shapes and layouts that torch.compile traces with.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+
+#include "cudnn_attention.h"
+#include "padding.h"
+#include "plan.h"
+#include "reference_attention.h"
+#include "repair_counter.h"
+#include "repair_dq.h"
+#include "settings.h"
+
+namespace openwam {
+namespace {
+
+using Tensors3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using Tensors4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// The raw attention the plans are carried out around.
+struct Engine {
+  CudnnForward (*forward)(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& bias, bool compute_logsumexp,
+                          double dropout_p, bool is_causal, std::optional<double> scale);
+  Tensors3 (*backward)(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                       const at::Tensor& v, const at::Tensor& out,
+                       const at::Tensor& logsumexp, const at::Tensor& philox_seed,
+                       const at::Tensor& philox_offset, const at::Tensor& bias,
+                       double dropout_p, bool is_causal, std::optional<double> scale);
+  void (*repair)(at::Tensor& dq, const at::Tensor& grad_out, const at::Tensor& q,
+                 const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                 const at::Tensor& logsumexp, const at::Tensor& bias, bool is_causal,
+                 double scale);
+};
+
+// K/V zero-padded to a multiple of the cuDNN key tile, with a bias that hides
+// the padded keys by -inf (and folds in is_causal: a bias and is_causal
+// cannot be combined). The padded keys add exactly 0 to out and logsumexp, so
+// a backward on them may use the unpadded forward's out and logsumexp.
+struct PaddedKeys {
+  at::Tensor key, value, bias;
+};
+
+PaddedKeys pad_keys_for_cudnn(const at::Tensor& query, const at::Tensor& key,
+                              const at::Tensor& value, const at::Tensor& bias,
+                              bool is_causal) {
+  std::optional<at::Tensor> mask;
+  if (bias.defined()) {
+    mask = bias;
+  }
+  auto [k, v, padded_mask] = pad_keys(key, value, mask, kCudnnKeyTile);
+  if (is_causal) {
+    TORCH_INTERNAL_ASSERT(!bias.defined());
+    const int64_t s_q = query.size(2);
+    const int64_t s_padded = k.size(2);
+    const auto index = query.options().dtype(at::kLong);
+    // Top-left aligned, as F.sdpa's is_causal: key j is visible from query i
+    // when j <= i (and j is a real key).
+    const at::Tensor causal = at::arange(s_padded, index).view({1, s_padded}).le(
+        at::arange(s_q, index).view({s_q, 1}));
+    padded_mask = causal.logical_and(padded_mask);
+  }
+  return {k, v, cudnn_bias(padded_mask, query.scalar_type(), 4, k.sym_size(2))};
+}
+
+// The inputs of a one-query-row backward grown to two rows: zero query, zero
+// output, zero upstream gradient, and a logsumexp so large that the new
+// row's probabilities are exactly 0. It adds nothing to dK and dV, and its dQ
+// row is dropped. cuDNN's backward for batch 1 and one query row with a very
+// negative logsumexp writes NaN into all of dK and dV (cudnn-frontend #1072;
+// this project measured it on 9.19.0); with two rows it does not.
+struct PaddedQuery {
+  at::Tensor query, grad_out, out, logsumexp, bias;
+};
+
+PaddedQuery pad_query_row(const at::Tensor& query, const at::Tensor& grad_out,
+                          const at::Tensor& out, const at::Tensor& logsumexp,
+                          const at::Tensor& bias) {
+  TORCH_CHECK(query.size(2) == 1,
+              "openwam::_cudnn_sdpa_backward: the plan pad_query_backward is for a "
+              "single query row, got ", query.size(2), " rows");
+  const auto grow = [](const at::Tensor& t, const c10::Scalar& fill) {
+    return pad_dim(t, 2, 2, fill);
+  };
+  PaddedQuery p{grow(query, 0), grow(grad_out, 0), grow(out, 0),
+                grow(logsumexp, std::numeric_limits<float>::max()), at::Tensor()};
+  if (bias.defined()) {
+    // A one-row bias broadcasts along the query axis: no copy.
+    std::vector<int64_t> sizes = bias.sizes().vec();
+    sizes[2] = 2;
+    p.bias = bias.expand(sizes);
+  }
+  return p;
+}
+
+// `grad` (a view into a padded gradient) as a tensor laid out like `input`,
+// which is what the Meta kernel promises.
+at::Tensor like_input(const at::Tensor& input, const at::Tensor& grad) {
+  return at::empty_like(input).copy_(grad);
+}
+
+// OPENWAM_SDPA_CHECK_FINITE=1 (debug only: the counts synchronise with the
+// host). Raises naming the shapes, the plan and the smallest logsumexp.
+void check_finite_gradients(const at::Tensor& dq, const at::Tensor& dk,
+                            const at::Tensor& dv, const at::Tensor& query,
+                            const at::Tensor& key, const at::Tensor& logsumexp,
+                            const Plan& plan) {
+  const int64_t bad_dq = (~at::isfinite(dq)).sum().item<int64_t>();
+  const int64_t bad_dk = (~at::isfinite(dk)).sum().item<int64_t>();
+  const int64_t bad_dv = (~at::isfinite(dv)).sum().item<int64_t>();
+  if (bad_dq + bad_dk + bad_dv == 0) {
+    return;
+  }
+  const double min_lse = logsumexp.min().item<double>();
+  TORCH_CHECK(false,
+              "openwam::sdpa: non-finite gradient (OPENWAM_SDPA_CHECK_FINITE=1): "
+              "dQ ", bad_dq, ", dK ", bad_dk, ", dV ", bad_dv,
+              " non-finite elements; query ", query.sizes(), ", key ",
+              key.sizes(), ", plan ", plan.to_string(),
+              ", smallest logsumexp ", min_lse);
+}
+
+// The kernels of the two ops for an engine (registered below per dispatch key).
+template <const Engine& engine>
+Tensors4 forward_with_plan(const at::Tensor& query, const at::Tensor& key,
+                           const at::Tensor& value,
+                           const std::optional<at::Tensor>& attn_bias, double dropout_p,
+                           bool is_causal, std::optional<double> scale,
+                           bool compute_log_sumexp, int64_t plan_bits) {
+  const Plan plan = Plan::from_int(plan_bits);
+  at::Tensor k = key, v = value, bias = attn_bias.value_or(at::Tensor());
+  bool causal = is_causal;
+  if (plan.pad_keys_forward) {
+    // Dropout: the backward must see the key length the forward's dropout
+    // pattern was drawn for, so both run on the padded keys.
+    PaddedKeys p = pad_keys_for_cudnn(query, key, value, bias, is_causal);
+    k = p.key, v = p.value, bias = p.bias, causal = false;
+  }
+  CudnnForward f =
+      engine.forward(query, k, v, bias, compute_log_sumexp, dropout_p, causal, scale);
+  if (!compute_log_sumexp) {
+    f.logsumexp = at::empty({0}, query.options().dtype(at::kFloat));
+  }
+  if (dropout_p == 0.0) {
+    // Without dropout the philox state is unused, and cuDNN leaves it
+    // uninitialised: empty tensors make the op's outputs deterministic
+    // (opcheck compares them) at no cost.
+    f.philox_seed = at::empty({0}, f.philox_seed.options());
+    f.philox_offset = at::empty({0}, f.philox_offset.options());
+  }
+  return {f.out, f.logsumexp, f.philox_seed, f.philox_offset};
+}
+
+template <const Engine& engine>
+Tensors3 backward_with_plan(const at::Tensor& grad_out, const at::Tensor& query,
+                            const at::Tensor& key,
+                            const at::Tensor& value,
+                            const std::optional<at::Tensor>& attn_bias,
+                            const at::Tensor& out, const at::Tensor& logsumexp,
+                            const at::Tensor& philox_seed, const at::Tensor& philox_offset,
+                            double dropout_p, bool is_causal, std::optional<double> scale,
+                            int64_t plan_bits) {
+  const Plan plan = Plan::from_int(plan_bits);
+  // An upstream gradient broadcast along head_dim (out.sum().backward()
+  // gives an expanded one) is materialised: the repair and the padding read
+  // rows of it.
+  const at::Tensor go_dense = grad_out.stride(-1) == 1 ? grad_out : grad_out.contiguous();
+  at::Tensor q = query, k = key, v = value, go = go_dense, o = out, lse = logsumexp;
+  at::Tensor bias = attn_bias.value_or(at::Tensor());
+  bool causal = is_causal;
+  if (plan.pads_keys()) {
+    PaddedKeys p = pad_keys_for_cudnn(query, key, value, bias, is_causal);
+    k = p.key, v = p.value, bias = p.bias, causal = false;
+  }
+  if (plan.pad_query_backward) {
+    PaddedQuery p = pad_query_row(q, go, o, lse, bias);
+    q = p.query, go = p.grad_out, o = p.out, lse = p.logsumexp, bias = p.bias;
+  }
+  auto [dq, dk, dv] = engine.backward(go, q, k, v, o, lse, philox_seed, philox_offset,
+                                      bias, dropout_p, causal, scale);
+  if (plan.repair_dq) {
+    // F.sdpa's default scale: 1 / sqrt(head_dim).
+    const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(-1))));
+    engine.repair(dq, go, q, k, v, o, lse, bias, causal, s);
+  }
+  if (plan.pad_query_backward) {
+    dq = like_input(query, dq.narrow(2, 0, 1));
+  }
+  if (plan.pads_keys()) {
+    dk = like_input(key, dk.narrow(2, 0, key.size(2)));
+    dv = like_input(value, dv.narrow(2, 0, value.size(2)));
+  }
+  if (current_settings().check_finite) {
+    check_finite_gradients(dq, dk, dv, query, key, logsumexp, plan);
+  }
+  return {dq, dk, dv};
+}
+
+// ------------------------------------------------------------ CPU: reference
+
+CudnnForward reference_engine_forward(const at::Tensor& q, const at::Tensor& k,
+                                      const at::Tensor& v, const at::Tensor& bias,
+                                      bool /*compute_logsumexp*/, double dropout_p,
+                                      bool is_causal, std::optional<double> scale) {
+  TORCH_CHECK(dropout_p == 0.0,
+              "openwam::_cudnn_sdpa (CPU reference kernel): no dropout, got ", dropout_p);
+  CudnnForward f;
+  std::tie(f.out, f.logsumexp) = reference_forward(q, k, v, bias, is_causal, scale);
+  // No dropout: no philox state (forward_with_plan empties it).
+  f.philox_seed = at::empty({}, at::TensorOptions().dtype(at::kLong));
+  f.philox_offset = at::empty({}, at::TensorOptions().dtype(at::kLong));
+  return f;
+}
+
+Tensors3 reference_engine_backward(const at::Tensor& grad_out, const at::Tensor& q,
+                                   const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& out, const at::Tensor& logsumexp,
+                                   const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor& bias, double dropout_p,
+                                   bool is_causal, std::optional<double> scale) {
+  TORCH_CHECK(dropout_p == 0.0,
+              "openwam::_cudnn_sdpa_backward (CPU reference kernel): no dropout, got ",
+              dropout_p);
+  return reference_backward(grad_out, q, k, v, out, logsumexp, bias, is_causal, scale);
+}
+
+constexpr Engine kReferenceEngine{&reference_engine_forward, &reference_engine_backward,
+                                  &reference_repair_dq};
+
+// ------------------------------------------------------------ CUDA: cuDNN
+
+#ifdef OPENWAM_WITH_CUDA
+void cuda_repair(at::Tensor& dq, const at::Tensor& grad_out, const at::Tensor& q,
+                 const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                 const at::Tensor& logsumexp, const at::Tensor& bias, bool is_causal,
+                 double scale) {
+  repair_dq_rows(dq, grad_out, q, k, v, out, logsumexp, bias, is_causal, scale,
+                 repaired_rows_counter(q.device()));
+}
+
+constexpr Engine kCudnnEngine{&cudnn_forward, &cudnn_backward, &cuda_repair};
+
+#endif  // OPENWAM_WITH_CUDA
+
+// ------------------------------------------------------------ Meta
+
+// What ATen's own meta kernels of the cuDNN ops say: output like the query,
+// float32 logsumexp [B, H, L, 1], 0-dim int64 philox state on the meta
+// device (empty without dropout: forward_with_plan), gradients like their
+// inputs.
+Tensors4 cudnn_sdpa_meta(const at::Tensor& query, const at::Tensor&, const at::Tensor& value,
+                         const std::optional<at::Tensor>&, double dropout_p, bool,
+                         std::optional<double>, bool compute_log_sumexp, int64_t) {
+  const auto f32 = query.options().dtype(at::kFloat);
+  at::Tensor lse = compute_log_sumexp
+                       ? at::empty_symint({query.sym_size(0), query.sym_size(1),
+                                           query.sym_size(2), 1},
+                                          f32)
+                       : at::empty({0}, f32);
+  const auto philox = at::TensorOptions().dtype(at::kLong).device(at::kMeta);
+  const std::vector<int64_t> philox_sizes =
+      dropout_p == 0.0 ? std::vector<int64_t>{0} : std::vector<int64_t>{};
+  return {empty_like_cudnn_output(query, value.sym_size(-1)), lse,
+          at::empty(philox_sizes, philox), at::empty(philox_sizes, philox)};
+}
+
+Tensors3 cudnn_sdpa_backward_meta(
+    const at::Tensor&, const at::Tensor& query, const at::Tensor& key,
+    const at::Tensor& value, const std::optional<at::Tensor>&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool,
+    std::optional<double>, int64_t) {
+  return {at::empty_like(query), at::empty_like(key), at::empty_like(value)};
+}
+
+}  // namespace
+}  // namespace openwam
+
+TORCH_LIBRARY_IMPL(openwam, CPU, m) {
+  m.impl("_cudnn_sdpa", &openwam::forward_with_plan<openwam::kReferenceEngine>);
+  m.impl("_cudnn_sdpa_backward", &openwam::backward_with_plan<openwam::kReferenceEngine>);
+}
+#ifdef OPENWAM_WITH_CUDA
+TORCH_LIBRARY_IMPL(openwam, CUDA, m) {
+  m.impl("_cudnn_sdpa", &openwam::forward_with_plan<openwam::kCudnnEngine>);
+  m.impl("_cudnn_sdpa_backward", &openwam::backward_with_plan<openwam::kCudnnEngine>);
+}
+#endif
+TORCH_LIBRARY_IMPL(openwam, Meta, m) {
+  m.impl("_cudnn_sdpa", &openwam::cudnn_sdpa_meta);
+  m.impl("_cudnn_sdpa_backward", &openwam::cudnn_sdpa_backward_meta);
+}

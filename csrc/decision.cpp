@@ -1,0 +1,185 @@
+#include "decision.h"
+
+#include <ATen/Context.h>
+#include <ATen/ops/_fused_sdp_choice.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <ATen/SDPBackend.h>
+
+#include "cudnn_attention.h"
+
+namespace openwam {
+namespace {
+
+const char* backend_name(int64_t choice) {
+  switch (static_cast<at::SDPBackend>(choice)) {
+    case at::SDPBackend::math: return "math";
+    case at::SDPBackend::flash_attention: return "flash_attention";
+    case at::SDPBackend::efficient_attention: return "efficient_attention";
+    case at::SDPBackend::cudnn_attention: return "cudnn_attention";
+    case at::SDPBackend::overrideable: return "overrideable";
+    default: return "error";
+  }
+}
+
+constexpr int64_t kCudnnChoice = static_cast<int64_t>(at::SDPBackend::cudnn_attention);
+
+// The checks F.sdpa makes before its selector runs (validate_sdpa_input in
+// ATen's attention.cpp): a call failing them must reach PyTorch untouched, to
+// fail with PyTorch's own error.
+bool passes_pytorch_validation(const SdpaCall& c) {
+  const at::Tensor& q = c.query;
+  if (q.scalar_type() != c.key.scalar_type() || q.scalar_type() != c.value.scalar_type()) {
+    return false;
+  }
+  if (q.device() != c.key.device() || q.device() != c.value.device()) return false;
+  if (q.dim() < 2 || c.key.dim() < 2 || c.value.dim() < 2) return false;
+  if (q.is_nested() || c.key.is_nested() || c.value.is_nested()) return false;
+  if (c.attn_mask.has_value()) {
+    const at::ScalarType m = c.attn_mask->scalar_type();
+    if (m != at::kBool && m != at::kFloat && m != q.scalar_type()) return false;
+  }
+  return true;
+}
+
+bool any_input_empty(const SdpaCall& c) {
+  // sym_numel: numel() throws on the symbolic sizes of a dynamic-shape trace.
+  return c.query.sym_numel() == 0 || c.key.sym_numel() == 0 || c.value.sym_numel() == 0;
+}
+
+Decision routed(Route route, const char* reason) {
+  Decision d;
+  d.route = route;
+  d.reason = reason;
+  return d;
+}
+
+// The plan for a differentiated cuDNN call under the OPENWAM_SDPA_PAD mode.
+Plan plan_for(const GuardVerdict& verdict, const CallShape& shape, PadMode pad) {
+  switch (pad) {
+    case PadMode::kNever:
+      return Plan{};
+    case PadMode::kAlways: {
+      Plan p;
+      p.pad_query_backward = verdict.plan.pad_query_backward;
+      if (shape.s_kv % kCudnnKeyTile != 0) {
+        (shape.dropout_p > 0.0 ? p.pad_keys_forward : p.pad_keys_backward) = true;
+      }
+      return p;
+    }
+    case PadMode::kAuto:
+      return verdict.plan;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown PadMode");
+}
+
+}  // namespace
+
+const char* to_string(Route route) {
+  switch (route) {
+    case Route::kCudnn: return "cudnn";
+    case Route::kPyTorch: return "pytorch";
+    case Route::kPyTorchWithoutCudnn: return "pytorch_without_cudnn";
+    case Route::kMathForEmpty: return "math";
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown Route");
+}
+
+Decision decide(const SdpaCall& call, const Settings& settings, const Stack& stack) {
+  if (any_input_empty(call)) {
+    // torch 2.11's fused CPU kernel dies of SIGFPE on zero heads (measured on
+    // the H200 machine, 2026-11-30; pytorch #174939): empty CPU calls go to
+    // the math backend where it is allowed. Everything else empty is
+    // PyTorch's to answer (its fused CUDA kernels refuse empty sequences).
+    const bool math_serves = call.query.device().is_cpu() && stack.math_sdp_enabled &&
+                             passes_pytorch_validation(call);
+    return math_serves
+               ? routed(Route::kMathForEmpty, "an empty CPU input: PyTorch's math backend")
+               : routed(Route::kPyTorch, "an input is empty");
+  }
+  if (settings.cudnn == CudnnPreference::kNever) {
+    return routed(Route::kPyTorchWithoutCudnn, "OPENWAM_SDPA_CUDNN=0");
+  }
+
+  const char* why_not =
+      stack.cudnn_unavailable != nullptr ? stack.cudnn_unavailable : cudnn_rejects(call);
+  if (why_not != nullptr) {
+    Decision d = routed(Route::kPyTorch, why_not);
+    // Inputs PyTorch would still send to stock cuDNN (and its defects) go
+    // elsewhere when they will be differentiated and another backend is
+    // allowed; where cuDNN is the only one (sdpa_kernel), the call is the
+    // user's to have, as F.sdpa would run it.
+    if (stack.cudnn_unavailable == nullptr && call.differentiated() &&
+        stack.other_sdp_enabled && passes_pytorch_validation(call)) {
+      const int64_t choice = stack.pytorch_choice();
+      d.pytorch_choice = backend_name(choice);
+      if (choice == kCudnnChoice) {
+        d.route = Route::kPyTorchWithoutCudnn;
+        d.reason = "PyTorch picks cuDNN, but the guarded cuDNN path cannot take "
+                   "these inputs; cuDNN is switched off for this call";
+      }
+    }
+    return d;
+  }
+
+  Decision d;
+  if (settings.cudnn == CudnnPreference::kPrefer) {
+    d.pytorch_choice = "not asked (OPENWAM_SDPA_CUDNN=1)";
+    if (!stack.cudnn_sdp_enabled) {
+      return routed(Route::kPyTorch, "cuDNN SDPA is switched off (sdpa_kernel or "
+                                     "torch.backends.cuda.enable_cudnn_sdp)");
+    }
+    d.reason = "OPENWAM_SDPA_CUDNN=1 and cuDNN can serve";
+  } else {
+    const int64_t choice = stack.pytorch_choice();
+    d.pytorch_choice = backend_name(choice);
+    if (choice != kCudnnChoice) {
+      d.reason = "PyTorch picks another backend";
+      return d;  // Route::kPyTorch
+    }
+    d.reason = "PyTorch picks cuDNN";
+  }
+
+  d.route = Route::kCudnn;
+  if (!call.differentiated()) {
+    return d;  // the defects are backward-only: stock cuDNN's forward
+  }
+  const CallShape shape = shape_of(call);
+  const GuardVerdict verdict = check_guards(shape, stack.cudnn_version);
+  if (verdict.avoid != nullptr) {
+    d.route = Route::kPyTorchWithoutCudnn;
+    d.rule = verdict.avoid;
+    d.reason = "a guard rule keeps this call off cuDNN";
+    return d;
+  }
+  d.plan = plan_for(verdict, shape, settings.pad);
+  d.rule = d.plan.none() ? nullptr : verdict.first_hit;
+  return d;
+}
+
+Decision decide(const SdpaCall& call, const Settings& settings) {
+  Stack stack;
+  stack.cudnn_version = runtime_cudnn_version();
+  stack.cudnn_unavailable = cudnn_unavailable(call.query);
+  const auto& ctx = at::globalContext();
+  stack.cudnn_sdp_enabled = ctx.userEnabledCuDNNSDP();
+  stack.math_sdp_enabled = ctx.userEnabledMathSDP();
+  stack.other_sdp_enabled =
+      ctx.userEnabledFlashSDP() || ctx.userEnabledMemEfficientSDP() || stack.math_sdp_enabled;
+  const auto choice = [&call]() -> int64_t {
+    // PyTorch's selector reads only the tensors' metadata. Called with the
+    // Python keys excluded, it runs on fake tensors too without being seen
+    // by torch.compile's tracers: the choice is made here, not recorded in a
+    // graph (ATen's own scaled_dot_product_attention calls the selector's
+    // stub directly for the same reason; the stub is not exported to
+    // extensions).
+    const c10::impl::ExcludeDispatchKeyGuard untraced(
+        c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+    return at::_fused_sdp_choice(call.query, call.key, call.value, call.attn_mask,
+                                 call.dropout_p, call.is_causal, call.scale,
+                                 call.enable_gqa);
+  };
+  stack.pytorch_choice = choice;
+  return decide(call, settings, stack);
+}
+
+}  // namespace openwam

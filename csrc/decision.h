@@ -1,0 +1,59 @@
+// The decision, in one place, from the settings to the backend to the plan:
+// does this call run on the guarded cuDNN path, and with which fix, or on
+// PyTorch's own implementation? The op and explain() both call decide().
+//
+// It runs in C++ before any op is dispatched, also while torch.compile
+// traces: nothing of it (PyTorch's selector included) is recorded in a graph,
+// only the ops it chose.
+#pragma once
+
+#include <c10/util/FunctionRef.h>
+
+#include <cstdint>
+
+#include "guards.h"
+#include "plan.h"
+#include "sdpa_call.h"
+#include "settings.h"
+
+namespace openwam {
+
+enum class Route {
+  kCudnn,                // the guarded cuDNN path (cudnn_path.h)
+  kPyTorch,              // at::scaled_dot_product_attention, untouched
+  kPyTorchWithoutCudnn,  // the same with cuDNN switched off for the call
+  kMathForEmpty,         // PyTorch's math backend: an input is empty
+};
+
+const char* to_string(Route route);
+
+struct Decision {
+  Route route = Route::kPyTorch;
+  Plan plan;                          // the cuDNN path's fix (differentiated calls)
+  const GuardRule* rule = nullptr;    // the guard rule that set the plan or the route
+  const char* pytorch_choice = "not asked";  // PyTorch's own backend, by name
+  const char* reason = "";            // why, in words
+};
+
+// What decide() reads beyond the call and the settings: facts of the process
+// and the device, passed in so that a test can pose any stack.
+struct Stack {
+  long cudnn_version = 0;                  // runtime cuDNN, e.g. 91900; 0: none
+  const char* cudnn_unavailable = nullptr; // why cuDNN cannot run here, or nullptr
+  // PyTorch's backend switches (torch.backends.cuda.enable_*_sdp, sdpa_kernel).
+  bool cudnn_sdp_enabled = true;
+  bool math_sdp_enabled = true;
+  bool other_sdp_enabled = true;           // flash, efficient or math
+  // The backend PyTorch's own selector picks (an at::SDPBackend value). Asked
+  // only where the decision needs it: it costs a pass through the selector.
+  c10::function_ref<int64_t()> pytorch_choice;
+};
+
+// The stack of this process for this call: the runtime cuDNN, the device,
+// PyTorch's switches and its selector (called directly, not as an op, the
+// way at::scaled_dot_product_attention calls it).
+Decision decide(const SdpaCall& call, const Settings& settings);
+
+Decision decide(const SdpaCall& call, const Settings& settings, const Stack& stack);
+
+}  // namespace openwam

@@ -1,0 +1,107 @@
+#include "reference_attention.h"
+
+#include <cmath>
+#include <limits>
+
+#include "cudnn_attention.h"
+#include "repair_dq.h"
+
+namespace openwam {
+namespace {
+
+// Key/value heads repeated to the query's (grouped-query attention).
+at::Tensor expand_heads(const at::Tensor& kv, int64_t heads) {
+  const int64_t groups = heads / kv.size(1);
+  return groups == 1 ? kv : kv.repeat_interleave(groups, 1);
+}
+
+// Summed back over each group of query heads sharing a key/value head.
+at::Tensor reduce_heads(const at::Tensor& grad, int64_t kv_heads) {
+  const int64_t groups = grad.size(1) / kv_heads;
+  if (groups == 1) return grad;
+  auto sizes = grad.sizes().vec();
+  sizes[1] = kv_heads;
+  sizes.insert(sizes.begin() + 2, groups);
+  return grad.reshape(sizes).sum(2);
+}
+
+double scale_or_default(std::optional<double> scale, const at::Tensor& query) {
+  return scale.value_or(1.0 / std::sqrt(static_cast<double>(query.size(-1))));
+}
+
+// The probabilities exp(s - lse) of every (row, key), 0 where hidden, in
+// `dtype`; `lse` computed here when undefined.
+struct Scores {
+  at::Tensor probs, logsumexp, key, value;
+};
+
+Scores scores(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+              const at::Tensor& bias, bool is_causal, double scale, at::Tensor lse,
+              at::ScalarType dtype) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4,
+              "openwam: the reference attention takes 4-D [B, H, S, E] inputs, got ",
+              query.dim(), "-D");
+  Scores r;
+  r.key = expand_heads(key, query.size(1)).to(dtype);
+  r.value = expand_heads(value, query.size(1)).to(dtype);
+  at::Tensor s = at::matmul(query.to(dtype), r.key.transpose(-1, -2)) * scale;
+  if (bias.defined()) {
+    s = s + bias.to(dtype);
+  }
+  if (is_causal) {  // top-left aligned, as F.sdpa's is_causal
+    const auto hidden = at::ones({s.size(-2), s.size(-1)}, s.options().dtype(at::kBool)).triu(1);
+    s = s.masked_fill(hidden, -std::numeric_limits<double>::infinity());
+  }
+  r.logsumexp = lse.defined() ? lse.to(dtype).reshape({s.size(0), s.size(1), s.size(2), 1})
+                              : at::logsumexp(s, -1, /*keepdim=*/true);
+  r.probs = at::where(r.logsumexp.isneginf(), at::zeros({}, s.options()),
+                      at::exp(s - r.logsumexp));
+  return r;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> reference_forward(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& bias, bool is_causal, std::optional<double> scale) {
+  const Scores r = scores(query, key, value, bias, is_causal,
+                          scale_or_default(scale, query), at::Tensor(), at::kFloat);
+  return {empty_like_cudnn_output(query, value.sym_size(-1)).copy_(at::matmul(r.probs, r.value)),
+          r.logsumexp.contiguous()};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> reference_backward(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+    const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
+    const at::Tensor& bias, bool is_causal, std::optional<double> scale) {
+  const double s = scale_or_default(scale, query);
+  const Scores r = scores(query, key, value, bias, is_causal, s, logsumexp, at::kFloat);
+  const at::Tensor go = grad_out.to(at::kFloat);
+  const at::Tensor delta = (go * out.to(at::kFloat)).sum(-1, /*keepdim=*/true);
+  const at::Tensor ds = r.probs * (at::matmul(go, r.value.transpose(-1, -2)) - delta);
+  const at::Tensor dq = at::matmul(ds, r.key) * s;
+  const at::Tensor dk = at::matmul(ds.transpose(-1, -2), query.to(at::kFloat)) * s;
+  const at::Tensor dv = at::matmul(r.probs.transpose(-1, -2), go);
+  return {at::empty_like(query).copy_(dq),
+          at::empty_like(key).copy_(reduce_heads(dk, key.size(1))),
+          at::empty_like(value).copy_(reduce_heads(dv, value.size(1)))};
+}
+
+void reference_repair_dq(at::Tensor& grad_query, const at::Tensor& grad_out,
+                         const at::Tensor& query, const at::Tensor& key,
+                         const at::Tensor& value, const at::Tensor& out,
+                         const at::Tensor& logsumexp, const at::Tensor& bias,
+                         bool is_causal, double scale) {
+  TORCH_CHECK(grad_query.dim() == 4 && grad_query.sizes() == query.sizes(),
+              "openwam::_repair_dq_: grad_query must have query's shape ",
+              query.sizes(), ", got ", grad_query.sizes());
+  const Scores r = scores(query, key, value, bias, is_causal, scale, logsumexp, at::kDouble);
+  const at::Tensor go = grad_out.to(at::kDouble);
+  const at::Tensor delta = (go * out.to(at::kDouble)).sum(-1, /*keepdim=*/true);
+  const at::Tensor ds = r.probs * (at::matmul(go, r.value.transpose(-1, -2)) - delta);
+  const at::Tensor dq = at::matmul(ds, r.key) * scale;
+  const at::Tensor repaired = r.logsumexp < static_cast<double>(kRepairLseThreshold);
+  grad_query.copy_(at::where(repaired, dq, grad_query.to(at::kDouble)));
+}
+
+}  // namespace openwam

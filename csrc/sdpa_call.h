@@ -1,0 +1,46 @@
+// The arguments of one openwam::sdpa call, exactly as F.sdpa takes them, and
+// the sizes the decision and the guard table read off them.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/core/SymInt.h>
+
+#include <optional>
+
+namespace openwam {
+
+struct SdpaCall {
+  const at::Tensor& query;                  // [..., L, E]
+  const at::Tensor& key;                    // [..., S, E]
+  const at::Tensor& value;                  // [..., S, Ev]
+  const std::optional<at::Tensor>& attn_mask;  // broadcastable to [..., L, S]
+  double dropout_p;
+  bool is_causal;
+  std::optional<double> scale;
+  bool enable_gqa;
+
+  // Will autograd record this call: grad mode on and q, k or v requires grad.
+  bool differentiated() const;
+};
+
+// The sizes of a call the cuDNN path can take (3-D counts as one head).
+// Symbolic while torch.compile traces with dynamic shapes: a comparison then
+// installs a guard on exactly what it compares (s_kv % 128 == 64, say), so a
+// rule never pins a size it does not look at.
+struct CallShape {
+  c10::SymInt batch = 1;
+  c10::SymInt heads = 1;
+  c10::SymInt kv_heads = 1;
+  c10::SymInt s_q = 1;
+  c10::SymInt s_kv = 1;
+  c10::SymInt head_dim = 8;
+  c10::SymInt head_dim_v = 8;
+  bool is_causal = false;
+  bool has_mask = false;
+  double dropout_p = 0.0;
+};
+
+// Precondition: query/key/value are 3-D or 4-D (the cuDNN path's inputs).
+CallShape shape_of(const SdpaCall& call);
+
+}  // namespace openwam

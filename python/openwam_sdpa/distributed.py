@@ -1,0 +1,172 @@
+"""DTensor sharding rules for the guarded cuDNN path's two leaf ops.
+
+openwam::sdpa is CompositeImplicitAutograd, so DTensor's __torch_dispatch__
+never sees it: it sees what the op calls, either PyTorch's own attention ops
+(DTensor has rules for those) or openwam::_cudnn_sdpa and
+openwam::_cudnn_sdpa_backward, whose rules are registered here with
+torch.distributed.tensor.experimental.register_sharding.
+
+What the rules allow, on each mesh dimension:
+- q, k, v (and grad_out, out, logsumexp in the backward) sharded on the batch
+  dim, Shard(0), or the head dim, Shard(1): every rank runs its shard locally,
+  with no communication, and the outputs keep the placement (the philox
+  seed/offset are Replicate). That is what tensor parallelism does to
+  attention. attn_bias follows: Shard(d) where it has that dim, Replicate
+  where it broadcasts over it (size 1).
+- everything Replicate: every rank runs the whole call.
+Any other placement is redistributed by DTensor to the cheapest of these,
+except a sequence-sharded q, k or v (Shard(2), what context parallelism
+makes), which raises: see _refuse_sequence_sharding.
+
+Importing torch.distributed.tensor takes seconds, and most users of the op
+never need it: importing this module registers the rules at once when
+DTensor is already loaded, and otherwise right after its first import.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._import_hooks import after_import
+
+_DTENSOR_MODULE = "torch.distributed.tensor"
+_registered = False
+
+# Positions in the leaf ops' schemas (csrc/registration.cpp).
+_FORWARD_COMPUTE_LSE = 7
+_SEQUENCE_DIM = 2
+
+
+def _chunk_sizes(size: int, parts: int) -> list:
+    """The local sizes of a dim of `size` under Shard on `parts` ranks
+    (torch.chunk semantics, as DTensor shards)."""
+    chunk = math.ceil(size / parts) if size else 0
+    return [max(0, min(chunk, size - r * chunk)) for r in range(parts)]
+
+
+def _sharded_dims(query, key) -> list:
+    """The dims (0 = batch, 1 = heads) on which the call may run shard-local.
+
+    The plan int in the call was decided for the global shapes; a shard must
+    not change which guard rule applies. The rules read the batch and head
+    counts only for one query row (s_q == 1: cudnn-frontend #1071/#1072 fire
+    at batch 1, and #1071 at batch = heads = 1), so there a shard must keep
+    them above 1 where the global call had them there. Empty shards are
+    refused too (cuDNN is never handed an empty input).
+    """
+    batch, heads, s_q = query.tensor_meta.shape[:3]
+    kv_heads = key.tensor_meta.shape[1]
+    # Every rank of the mesh: a dim may be sharded over all its mesh dims.
+    ranks = query.mesh.size()
+    one_row = s_q == 1
+    dims = []
+    local_batch = min(_chunk_sizes(batch, ranks))
+    if local_batch >= 1 and not (one_row and local_batch == 1 and batch > 1):
+        dims.append(0)
+    local_heads = min(_chunk_sizes(heads, ranks))
+    # GQA: query head h reads kv head h // (heads / kv_heads); the shards
+    # line up only where the kv heads divide evenly.
+    gqa_even = kv_heads == heads or kv_heads % ranks == 0
+    if (local_heads >= 1 and gqa_even
+            and not (one_row and batch == 1 and local_heads == 1 and heads > 1)):
+        dims.append(1)
+    return dims
+
+
+def _bias_placement(attn_bias, dim: int):
+    from torch.distributed.tensor import Replicate, Shard
+
+    if attn_bias is None:
+        return None
+    return Replicate() if attn_bias.tensor_meta.shape[dim] == 1 else Shard(dim)
+
+
+def _refuse_sequence_sharding(op_name: str, **tensors) -> None:
+    """A q, k or v sharded on the sequence is what context_parallel() hands
+    over. Redistributing it would be wrong, not just slow: context_parallel
+    reorders the sequence for load balance (head-tail chunks), so a causal
+    call on the gathered sequence masks the wrong keys, and it reads the
+    output back with to_local() as if it were still sequence-sharded. The
+    op has no ring attention: say so, with the way out."""
+    for name, spec in tensors.items():
+        if any(p.is_shard(_SEQUENCE_DIM) for p in spec.placements):
+            raise NotImplementedError(
+                f"openwam::{op_name}: {name} is sharded on the sequence dim "
+                f"(placements {tuple(spec.placements)}); the guarded cuDNN path "
+                "supports q/k/v sharded on the batch (Shard(0)) or head (Shard(1)) "
+                "dim, or replicated, but no sequence/context parallelism: "
+                "torch.distributed.tensor.experimental.context_parallel rewrites "
+                "only PyTorch's own SDPA ops into ring attention. Under "
+                "context_parallel set OPENWAM_SDPA_CUDNN=0 (then "
+                "openwam_sdpa.reload_settings()): the op hands the call to "
+                "PyTorch's flash/efficient attention, which context_parallel "
+                "runs as ring attention and which lack the cuDNN defect; or "
+                "redistribute q/k/v to Shard(0), Shard(1) or Replicate first.")
+
+
+def _cudnn_sdpa_rule(query, key, value, attn_bias, dropout_p, is_causal, scale,
+                     compute_log_sumexp, plan):
+    from torch.distributed.tensor import Replicate, Shard
+
+    _refuse_sequence_sharding("_cudnn_sdpa", query=query, key=key, value=value)
+    rest = [None] * 5  # dropout_p, is_causal, scale, compute_log_sumexp, plan
+    # outputs: out, logsumexp, philox_seed, philox_offset; inputs: q, k, v, bias, ...
+    bias = Replicate() if attn_bias is not None else None
+    strategies = [([Replicate()] * 4, [Replicate()] * 3 + [bias] + rest)]
+    for dim in _sharded_dims(query, key):
+        # An empty logsumexp (compute_log_sumexp=False) has no dim to shard.
+        lse = Shard(dim) if compute_log_sumexp else Replicate()
+        strategies.append((
+            [Shard(dim), lse, Replicate(), Replicate()],
+            [Shard(dim)] * 3 + [_bias_placement(attn_bias, dim)] + rest))
+    return strategies
+
+
+def _cudnn_sdpa_backward_rule(grad_out, query, key, value, attn_bias, out, logsumexp,
+                              philox_seed, philox_offset, dropout_p, is_causal,
+                              scale, plan):
+    from torch.distributed.tensor import Replicate, Shard
+
+    rest = [None] * 4  # dropout_p, is_causal, scale, plan
+    bias = Replicate() if attn_bias is not None else None
+    # outputs: grad_query, grad_key, grad_value; inputs: grad_out, q, k, v,
+    # bias, out, logsumexp, philox_seed, philox_offset, ...
+    strategies = [([Replicate()] * 3, [Replicate()] * 4 + [bias] + [Replicate()] * 4 + rest)]
+    for dim in _sharded_dims(query, key):
+        strategies.append((
+            [Shard(dim)] * 3,
+            [Shard(dim)] * 4 + [_bias_placement(attn_bias, dim)]
+            + [Shard(dim)] * 2 + [Replicate()] * 2 + rest))
+    return strategies
+
+
+def register_sharding_rules() -> None:
+    """Register the DTensor rules of the leaf ops (idempotent). Called for you
+    when this module is imported (at `import openwam_sdpa`) and DTensor is
+    loaded, or right after DTensor's first import."""
+    global _registered
+    if _registered:
+        return
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+    from torch.distributed.tensor.experimental import register_sharding
+
+    forward = torch.ops.openwam._cudnn_sdpa.default
+    backward = torch.ops.openwam._cudnn_sdpa_backward.default
+    register_sharding(forward)(_cudnn_sdpa_rule)
+    register_sharding(backward)(_cudnn_sdpa_backward_rule)
+    # register_sharding keys DTensor's cache of sharding decisions on the
+    # tensors' specs and the arguments from the first int on (`plan`); the
+    # forward's rule also reads compute_log_sumexp, which comes before it.
+    # Without this, a call with compute_log_sumexp=False after one with True
+    # (eval after train) reuses the cached output specs of a [B, H, L, 1]
+    # logsumexp for an empty one.
+    DTensor._op_dispatcher.sharding_propagator.op_to_schema_info[forward] = (
+        RuntimeSchemaInfo(static_argnum=_FORWARD_COMPUTE_LSE, needs_pytree=True))
+    _registered = True
+
+
+if torch.distributed.is_available():
+    after_import(_DTENSOR_MODULE, register_sharding_rules)

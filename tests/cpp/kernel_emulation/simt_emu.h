@@ -1,0 +1,450 @@
+// A small CPU emulator of the CUDA features the dQ-repair kernels use, so
+// that their real source runs (slowly) on a machine without a GPU.
+//
+// Every CUDA thread of a block is a fiber (ucontext) on one OS thread,
+// scheduled round-robin; __syncthreads and the warp collectives (shuffles,
+// ballots, ldmatrix, mma.sync) are barriers among the fibers. cp.async copies
+// are deferred until the thread's cp.async.wait_group retires their group, so
+// a missing wait shows up as stale data; with EMU_EAGER=1 they land at once
+// instead, so a stage refilled before every warp is done with it shows up. Shared memory starts
+// filled with 0xff bytes (NaN in bf16/fp16) so that unwritten reads show.
+// Semantics follow the PTX ISA (ldmatrix, mma.m16n8k16 fragment layouts).
+#pragma once
+
+#define OPENWAM_REPAIR_EMULATE 1
+
+#include <ucontext.h>
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <stdexcept>
+#include <vector>
+
+#define __device__
+#define __host__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+
+struct uint4 {
+  unsigned x, y, z, w;
+};
+struct float4 {
+  float x, y, z, w;
+};
+struct EmuDim3 {
+  unsigned x = 0, y = 0, z = 0;
+};
+
+namespace emu {
+
+[[noreturn]] inline void fail(const char* what) {
+  std::fprintf(stderr, "emulator: %s\n", what);
+  std::abort();
+}
+
+struct Copy {
+  unsigned char* dst;
+  const unsigned char* src;
+  int bytes;
+};
+
+enum class Wait { kNone, kBlock, kWarp };
+
+struct Thread {
+  ucontext_t ctx;
+  std::vector<char> stack;
+  EmuDim3 tid;
+  int lane = 0, warp = 0;
+  bool done = false;
+  Wait wait = Wait::kNone;
+  unsigned long wait_gen = 0;
+  std::vector<Copy> open_group;
+  std::vector<std::vector<Copy>> groups;
+};
+
+struct WarpState {
+  int arrived = 0;
+  unsigned long gen = 0;
+  uint64_t slot[32][8];
+};
+
+struct Stats {
+  long ldsm = 0, ldsm_conflicts = 0, mma = 0, cp_async = 0, barriers = 0;
+};
+
+struct Block {
+  EmuDim3 bid, gdim, bdim;
+  std::vector<unsigned char> smem;
+  std::vector<Thread> threads;
+  std::vector<WarpState> warps;
+  int arrived = 0;
+  unsigned long gen = 0;
+  ucontext_t sched;
+  std::function<void()> body;
+};
+
+inline Thread* cur = nullptr;
+inline Block* blk = nullptr;
+inline Stats stats;
+// cp.async copies land when issued instead of at the wait that retires them.
+inline bool eager_copies = std::getenv("EMU_EAGER") != nullptr;
+inline bool skew = std::getenv("EMU_SKEW") != nullptr;
+inline uint32_t random_state = 12345u;
+inline uint32_t next_random() {
+  random_state = random_state * 1664525u + 1013904223u;
+  return random_state >> 16;
+}
+
+inline void yield() { swapcontext(&cur->ctx, &blk->sched); }
+
+inline bool runnable(const Thread& t) {
+  switch (t.wait) {
+    case Wait::kNone: return true;
+    case Wait::kBlock: return blk->gen != t.wait_gen;
+    case Wait::kWarp: return blk->warps[t.warp].gen != t.wait_gen;
+  }
+  return false;
+}
+
+inline void block_sync() {
+  ++stats.barriers;
+  const unsigned long g = blk->gen;
+  if (++blk->arrived == static_cast<int>(blk->threads.size())) {
+    blk->arrived = 0;
+    ++blk->gen;
+    return;
+  }
+  cur->wait = Wait::kBlock;
+  cur->wait_gen = g;
+  yield();
+  cur->wait = Wait::kNone;
+}
+
+inline void warp_sync() {
+  WarpState& w = blk->warps[cur->warp];
+  const unsigned long g = w.gen;
+  if (++w.arrived == 32) {
+    w.arrived = 0;
+    ++w.gen;
+    return;
+  }
+  cur->wait = Wait::kWarp;
+  cur->wait_gen = g;
+  yield();
+  cur->wait = Wait::kNone;
+}
+
+inline uint64_t* my_slot() { return blk->warps[cur->warp].slot[cur->lane]; }
+inline uint64_t* slot_of(int lane) { return blk->warps[cur->warp].slot[lane]; }
+
+inline void trampoline() {
+  blk->body();
+  cur->done = true;
+  for (const auto& g : cur->groups) {
+    if (!g.empty()) fail("a thread ended with cp.async groups never waited for");
+  }
+  swapcontext(&cur->ctx, &blk->sched);
+}
+
+// Runs `body` as every thread of block `bid` (threads x 1 x 1) with
+// `smem_bytes` of dynamic shared memory.
+inline void run_block(EmuDim3 bid, EmuDim3 gdim, int threads, int smem_bytes,
+                      const std::function<void()>& body) {
+  Block b;
+  b.bid = bid;
+  b.gdim = gdim;
+  b.bdim.x = threads;
+  b.bdim.y = b.bdim.z = 1;
+  b.smem.assign(smem_bytes, 0xff);
+  b.threads.resize(threads);
+  b.warps.resize((threads + 31) / 32);
+  b.body = body;
+  if (threads % 32 != 0) fail("block size must be a multiple of 32");
+  Block* saved_blk = blk;
+  blk = &b;
+  for (int i = 0; i < threads; ++i) {
+    Thread& t = b.threads[i];
+    t.tid.x = i;
+    t.lane = i % 32;
+    t.warp = i / 32;
+    t.stack.resize(256 * 1024);
+    getcontext(&t.ctx);
+    t.ctx.uc_stack.ss_sp = t.stack.data();
+    t.ctx.uc_stack.ss_size = t.stack.size();
+    t.ctx.uc_link = nullptr;
+    makecontext(&t.ctx, trampoline, 0);
+  }
+  for (;;) {
+    bool all_done = true, any_runnable = false;
+    for (Thread& t : b.threads) {
+      if (t.done) continue;
+      all_done = false;
+      if (!runnable(t)) continue;
+      any_runnable = true;
+      // EMU_SKEW: runnable threads sit out a round at random, so that warps
+      // drift apart as they do on hardware (exposes missing barriers).
+      if (skew && (next_random() % 4u) != 0u) continue;
+      cur = &t;
+      swapcontext(&b.sched, &t.ctx);
+    }
+    if (all_done) break;
+    if (!any_runnable) fail("deadlock: every live thread waits at a barrier others never reach");
+  }
+  blk = saved_blk;
+  cur = nullptr;
+}
+
+// A grid of blocks, one after another.
+inline void launch(unsigned grid, int threads, int smem_bytes,
+                   const std::function<void()>& body) {
+  EmuDim3 g;
+  g.x = grid;
+  g.y = g.z = 1;
+  for (unsigned i = 0; i < grid; ++i) {
+    EmuDim3 b;
+    b.x = i;
+    run_block(b, g, threads, smem_bytes, body);
+  }
+}
+
+inline void check_smem(const void* p, int bytes, int align) {
+  const auto* c = static_cast<const unsigned char*>(p);
+  if (c < blk->smem.data() || c + bytes > blk->smem.data() + blk->smem.size()) {
+    fail("shared-memory access out of bounds");
+  }
+  if (reinterpret_cast<uintptr_t>(c) % align != 0) fail("misaligned shared-memory access");
+}
+
+}  // namespace emu
+
+#define threadIdx (emu::cur->tid)
+#define blockIdx (emu::blk->bid)
+#define gridDim (emu::blk->gdim)
+#define blockDim (emu::blk->bdim)
+
+inline void __syncthreads() { emu::block_sync(); }
+
+template <typename T>
+inline T emu_exchange(T v, int src_lane, bool take) {
+  static_assert(sizeof(T) <= 8, "scalar only");
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  emu::my_slot()[0] = bits;
+  emu::warp_sync();
+  const uint64_t got = emu::slot_of(src_lane)[0];
+  emu::warp_sync();
+  if (!take) return v;
+  T r;
+  std::memcpy(&r, &got, sizeof(T));
+  return r;
+}
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
+  if (mask != 0xffffffffu) emu::fail("only full-warp shuffles are emulated");
+  return emu_exchange(v, emu::cur->lane ^ lane_mask, true);
+}
+
+template <typename T>
+inline T __shfl_up_sync(unsigned mask, T v, unsigned delta) {
+  if (mask != 0xffffffffu) emu::fail("only full-warp shuffles are emulated");
+  const int lane = emu::cur->lane;
+  const int src = lane >= static_cast<int>(delta) ? lane - static_cast<int>(delta) : lane;
+  return emu_exchange(v, src, true);
+}
+
+inline unsigned __ballot_sync(unsigned mask, bool pred) {
+  if (mask != 0xffffffffu) emu::fail("only full-warp ballots are emulated");
+  emu::my_slot()[0] = pred ? 1 : 0;
+  emu::warp_sync();
+  unsigned r = 0;
+  for (int l = 0; l < 32; ++l) r |= static_cast<unsigned>(emu::slot_of(l)[0] & 1) << l;
+  emu::warp_sync();
+  return r;
+}
+
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(unsigned x) { return __builtin_ffs(static_cast<int>(x)); }
+
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+  const unsigned long long old = *p;
+  *p += v;
+  return old;
+}
+
+namespace openwam {
+namespace repair {
+
+inline unsigned char* smem_base() { return emu::blk->smem.data(); }
+
+// Shared-space addresses are offsets into the block's shared memory.
+inline uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(static_cast<const unsigned char*>(p) - smem_base());
+}
+
+inline void cp_async_16(uint32_t dst_s, const void* src, int src_bytes) {
+  unsigned char* dst = smem_base() + dst_s;
+  emu::check_smem(dst, 16, 16);
+  if (reinterpret_cast<uintptr_t>(src) % 16 != 0) emu::fail("cp.async source not 16-byte aligned");
+  if (src_bytes < 0 || src_bytes > 16) emu::fail("cp.async src-size out of 0..16");
+  ++emu::stats.cp_async;
+  if (emu::eager_copies) {  // land at once: shows a stage refilled while others still read it
+    std::memcpy(dst, src, src_bytes);
+    std::memset(dst + src_bytes, 0, 16 - src_bytes);
+    return;
+  }
+  emu::cur->open_group.push_back(
+      {dst, static_cast<const unsigned char*>(src), src_bytes});
+}
+
+inline void cp_async_commit() {
+  emu::cur->groups.push_back(std::move(emu::cur->open_group));
+  emu::cur->open_group.clear();
+}
+
+template <int kPending>
+inline void cp_async_wait() {
+  auto& groups = emu::cur->groups;
+  while (static_cast<int>(groups.size()) > kPending) {
+    for (const emu::Copy& c : groups.front()) {
+      std::memcpy(c.dst, c.src, c.bytes);
+      std::memset(c.dst + c.bytes, 0, 16 - c.bytes);
+    }
+    groups.erase(groups.begin());
+  }
+}
+
+// ldmatrix .x4: lane l gives the row address for row l % 8 of matrix l / 8.
+inline void emu_ldsm(uint32_t (&r)[4], uint32_t addr, bool trans) {
+  const unsigned char* p = smem_base() + addr;
+  emu::check_smem(p, 16, 16);
+  ++emu::stats.ldsm;
+  emu::my_slot()[0] = reinterpret_cast<uint64_t>(p);
+  emu::warp_sync();
+  const int lane = emu::cur->lane;
+  if (lane == 0) {  // bank groups of each matrix's 8 rows must differ
+    for (int m = 0; m < 4; ++m) {
+      unsigned seen = 0;
+      for (int i = 0; i < 8; ++i) {
+        const unsigned group = (emu::slot_of(8 * m + i)[0] / 16) % 8;
+        if (seen & (1u << group)) ++emu::stats.ldsm_conflicts;
+        seen |= 1u << group;
+      }
+    }
+  }
+  for (int m = 0; m < 4; ++m) {
+    uint16_t e[2];
+    for (int k = 0; k < 2; ++k) {
+      // Without .trans: row lane/4, columns 2 (lane%4) + k. With .trans:
+      // row 2 (lane%4) + k, column lane/4.
+      const int row = trans ? 2 * (lane % 4) + k : lane / 4;
+      const int col = trans ? lane / 4 : 2 * (lane % 4) + k;
+      const auto* addr = reinterpret_cast<const uint16_t*>(emu::slot_of(8 * m + row)[0]);
+      e[k] = addr[col];
+    }
+    r[m] = e[0] | (static_cast<uint32_t>(e[1]) << 16);
+  }
+  emu::warp_sync();
+}
+
+inline void ldsm_x4(uint32_t (&r)[4], uint32_t addr) { emu_ldsm(r, addr, false); }
+inline void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) { emu_ldsm(r, addr, true); }
+
+// mma.m16n8k16 row.col with fp32 accumulators; `to_float` decodes a 16-bit
+// element. Fragments (PTX ISA): A a0 (g, 2t..2t+1), a1 (g+8, ..), a2 (g,
+// 2t+8..), a3 (g+8, 2t+8..); B b0 (k 2t..2t+1, n g), b1 (k 2t+8.., n g);
+// C c0, c1 (g, 2t..), c2, c3 (g+8, 2t..), with g = lane/4, t = lane%4.
+template <class ToFloat>
+inline void emu_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                    ToFloat to_float) {
+  ++emu::stats.mma;
+  uint64_t* s = emu::my_slot();
+  for (int i = 0; i < 4; ++i) s[i] = a[i];
+  s[4] = b0;
+  s[5] = b1;
+  emu::warp_sync();
+  auto a_elem = [&](int row, int k) {
+    const int lane = (row % 8) * 4 + (k % 8) / 2;
+    const int reg = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+    const uint32_t w = static_cast<uint32_t>(emu::slot_of(lane)[reg]);
+    return to_float(static_cast<uint16_t>((k & 1) ? w >> 16 : w));
+  };
+  auto b_elem = [&](int k, int n) {
+    const int lane = n * 4 + (k % 8) / 2;
+    const int reg = 4 + (k >= 8 ? 1 : 0);
+    const uint32_t w = static_cast<uint32_t>(emu::slot_of(lane)[reg]);
+    return to_float(static_cast<uint16_t>((k & 1) ? w >> 16 : w));
+  };
+  const int lane = emu::cur->lane;
+  float out[4];
+  for (int e = 0; e < 4; ++e) {
+    const int row = lane / 4 + (e >= 2 ? 8 : 0);
+    const int col = 2 * (lane % 4) + (e & 1);
+    float acc = d[e];
+    for (int k = 0; k < 16; ++k) acc += a_elem(row, k) * b_elem(k, col);
+    out[e] = acc;
+  }
+  emu::warp_sync();
+  for (int e = 0; e < 4; ++e) d[e] = out[e];
+}
+
+inline float bf16_to_float(uint16_t x) {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float f16_to_float(uint16_t x) {
+  _Float16 h;
+  std::memcpy(&h, &x, 2);
+  return static_cast<float>(h);
+}
+
+inline uint16_t float_to_f16(float f) {
+  const _Float16 h = static_cast<_Float16>(f);
+  uint16_t x;
+  std::memcpy(&x, &h, 2);
+  return x;
+}
+
+struct Bf16 {
+  static float to_float(uint16_t x) { return bf16_to_float(x); }
+  static uint16_t from_float(float x) { return float_to_bf16(x); }
+  static uint32_t pack(float lo, float hi) {
+    return float_to_bf16(lo) | (static_cast<uint32_t>(float_to_bf16(hi)) << 16);
+  }
+  static void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    emu_mma(d, a, b0, b1, bf16_to_float);
+  }
+};
+
+struct Fp16 {
+  static float to_float(uint16_t x) { return f16_to_float(x); }
+  static uint16_t from_float(float x) { return float_to_f16(x); }
+  static uint32_t pack(float lo, float hi) {
+    return float_to_f16(lo) | (static_cast<uint32_t>(float_to_f16(hi)) << 16);
+  }
+  static void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    emu_mma(d, a, b0, b1, f16_to_float);
+  }
+};
+
+inline float fast_exp2(float x) { return std::exp2(x); }
+
+}  // namespace repair
+}  // namespace openwam

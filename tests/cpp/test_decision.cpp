@@ -1,0 +1,536 @@
+// The decision (csrc/decision.h): decide(call, settings, stack) with a posed
+// stack, on bf16 CPU tensors (cudnn_rejects reads only the inputs; the
+// device is the stack's cudnn_unavailable). Every route, every setting, the
+// guard rules' routes and plans, and when PyTorch's selector is asked.
+#include <ATen/ATen.h>
+#include <ATen/SDPBackend.h>
+#include <ATen/core/grad_mode.h>
+
+#include <string>
+
+#include "decision.h"
+#include "guards.h"
+#include "support.h"
+
+using Catch::Matchers::Contains;
+using Catch::Matchers::StartsWith;
+using openwam::CudnnPreference;
+using openwam::Decision;
+using openwam::PadMode;
+using openwam::Route;
+using openwam::Settings;
+using openwam_test::bhsd;
+using openwam_test::Inputs;
+
+namespace {
+
+constexpr long k9_19_0 = openwam::cudnn_version(9, 19, 0);
+constexpr long k9_25_1 = openwam::cudnn_version(9, 25, 1);
+constexpr long k9_26_0 = openwam::cudnn_version(9, 26, 0);
+constexpr long kTooNew = openwam::kNewestKnownCudnn + 1;
+
+int64_t backend(at::SDPBackend b) { return static_cast<int64_t>(b); }
+
+// A stack posed for decide(); counts how often PyTorch's selector is asked.
+struct PosedStack {
+  long cudnn_version = k9_19_0;
+  const char* cudnn_unavailable = nullptr;
+  bool cudnn_sdp_enabled = true;
+  bool math_sdp_enabled = true;
+  bool other_sdp_enabled = true;
+  int64_t choice = backend(at::SDPBackend::cudnn_attention);
+  int calls = 0;
+
+  Decision decide(const Inputs& in, const Settings& settings) {
+    const auto selector = [this]() -> int64_t {
+      ++calls;
+      return choice;
+    };
+    openwam::Stack stack;
+    stack.cudnn_version = cudnn_version;
+    stack.cudnn_unavailable = cudnn_unavailable;
+    stack.cudnn_sdp_enabled = cudnn_sdp_enabled;
+    stack.math_sdp_enabled = math_sdp_enabled;
+    stack.other_sdp_enabled = other_sdp_enabled;
+    stack.pytorch_choice = selector;
+    return openwam::decide(in.call(), settings, stack);
+  }
+};
+
+Settings settings(CudnnPreference cudnn, PadMode pad = PadMode::kAuto) {
+  Settings s;
+  s.cudnn = cudnn;
+  s.pad = pad;
+  return s;
+}
+
+const Settings kFollow = settings(CudnnPreference::kFollowPyTorch);
+const Settings kPrefer = settings(CudnnPreference::kPrefer);
+const Settings kNever = settings(CudnnPreference::kNever);
+
+std::string rule_of(const Decision& d) {
+  return d.rule == nullptr ? std::string("<none>") : std::string(d.rule->name);
+}
+
+// A differentiated call that 9.19.0 hits with the key-tail defect.
+Inputs key_tail_call() { return bhsd(2, 4, 8, 320, 64); }
+
+}  // namespace
+
+TEST_CASE("decide: route names", "[decision]") {
+  CHECK(std::string(openwam::to_string(Route::kCudnn)) == "cudnn");
+  CHECK(std::string(openwam::to_string(Route::kPyTorch)) == "pytorch");
+  CHECK(std::string(openwam::to_string(Route::kPyTorchWithoutCudnn)) ==
+        "pytorch_without_cudnn");
+  CHECK(std::string(openwam::to_string(Route::kMathForEmpty)) == "math");
+}
+
+TEST_CASE("decide: following PyTorch, it picks cuDNN: the guarded cuDNN path",
+          "[decision]") {
+  const Inputs in = key_tail_call();
+  PosedStack stack;
+  const Decision d = stack.decide(in, kFollow);
+  CHECK(d.route == Route::kCudnn);
+  CHECK(stack.calls == 1);
+  CHECK(std::string(d.pytorch_choice) == "cudnn_attention");
+  CHECK(std::string(d.reason) == "PyTorch picks cuDNN");
+  CHECK(d.plan.to_string() == "repair_dq");
+  CHECK(rule_of(d) == "key_tail_nan_dq_9.19");
+}
+
+TEST_CASE("decide: following PyTorch, it picks another backend: PyTorch untouched",
+          "[decision]") {
+  const Inputs in = key_tail_call();
+  struct Case {
+    at::SDPBackend backend;
+    const char* name;
+  };
+  for (const Case c : {Case{at::SDPBackend::math, "math"},
+                       Case{at::SDPBackend::flash_attention, "flash_attention"},
+                       Case{at::SDPBackend::efficient_attention, "efficient_attention"},
+                       Case{at::SDPBackend::overrideable, "overrideable"},
+                       Case{at::SDPBackend::error, "error"}}) {
+    CAPTURE(c.name);
+    PosedStack stack;
+    stack.choice = backend(c.backend);
+    const Decision d = stack.decide(in, kFollow);
+    CHECK(d.route == Route::kPyTorch);
+    CHECK(stack.calls == 1);
+    CHECK(std::string(d.pytorch_choice) == c.name);
+    CHECK(std::string(d.reason) == "PyTorch picks another backend");
+    CHECK(d.plan.none());
+    CHECK(d.rule == nullptr);
+  }
+}
+
+TEST_CASE("decide: OPENWAM_SDPA_CUDNN=1 takes cuDNN without asking PyTorch",
+          "[decision]") {
+  const Inputs in = key_tail_call();
+  for (const int64_t choice : {backend(at::SDPBackend::flash_attention),
+                               backend(at::SDPBackend::cudnn_attention)}) {
+    CAPTURE(choice);
+    PosedStack stack;
+    stack.choice = choice;
+    const Decision d = stack.decide(in, kPrefer);
+    CHECK(d.route == Route::kCudnn);
+    CHECK(stack.calls == 0);
+    CHECK_THAT(std::string(d.pytorch_choice), StartsWith("not asked"));
+    CHECK(std::string(d.reason) == "OPENWAM_SDPA_CUDNN=1 and cuDNN can serve");
+    CHECK(d.plan.to_string() == "repair_dq");
+    CHECK(rule_of(d) == "key_tail_nan_dq_9.19");
+  }
+}
+
+TEST_CASE("decide: OPENWAM_SDPA_CUDNN=1 honours cuDNN SDPA switched off", "[decision]") {
+  const Inputs in = key_tail_call();
+  PosedStack stack;
+  stack.cudnn_sdp_enabled = false;
+  const Decision d = stack.decide(in, kPrefer);
+  CHECK(d.route == Route::kPyTorch);
+  CHECK(stack.calls == 0);
+  CHECK_THAT(std::string(d.reason), Contains("switched off"));
+  CHECK(d.plan.none());
+  CHECK(d.rule == nullptr);
+}
+
+TEST_CASE("decide: OPENWAM_SDPA_CUDNN=0 never takes cuDNN and never asks", "[decision]") {
+  for (const Inputs& in : {key_tail_call(), bhsd(2, 4, 8, 320, 12)}) {
+    PosedStack stack;
+    const Decision d = stack.decide(in, kNever);
+    CHECK(d.route == Route::kPyTorchWithoutCudnn);
+    CHECK(stack.calls == 0);
+    CHECK(std::string(d.reason) == "OPENWAM_SDPA_CUDNN=0");
+    CHECK(d.plan.none());
+    CHECK(d.rule == nullptr);
+  }
+}
+
+TEST_CASE("decide: cuDNN unavailable on the device: PyTorch, not asked", "[decision]") {
+  const Inputs in = key_tail_call();
+  for (const Settings& s : {kFollow, kPrefer}) {
+    PosedStack stack;
+    stack.cudnn_unavailable = "inputs are not on a CUDA device";
+    const Decision d = stack.decide(in, s);
+    CHECK(d.route == Route::kPyTorch);
+    CHECK(stack.calls == 0);
+    CHECK(std::string(d.reason) == "inputs are not on a CUDA device");
+    CHECK(std::string(d.pytorch_choice) == "not asked");
+    CHECK(d.plan.none());
+  }
+}
+
+TEST_CASE("decide: empty CPU inputs go to PyTorch's math backend, whatever the settings",
+          "[decision]") {
+  // torch 2.11's fused CPU kernel dies of SIGFPE on zero heads (pytorch
+  // #174939); an empty call has nothing for a fused kernel to do. Where the
+  // math backend is switched off (sdpa_kernel), PyTorch answers the call.
+  const std::vector<std::vector<int64_t>> q_kv_shapes[] = {
+      {{0, 2, 3, 8}, {0, 2, 5, 8}},  // empty batch
+      {{1, 0, 3, 8}, {1, 0, 5, 8}},  // zero heads
+      {{1, 2, 0, 8}, {1, 2, 5, 8}},  // zero-length query
+      {{1, 2, 3, 8}, {1, 2, 0, 8}},  // zero-length keys
+      {{1, 2, 3, 0}, {1, 2, 5, 0}},  // zero head_dim
+  };
+  for (const auto& shapes : q_kv_shapes) {
+    for (const Settings& s : {kFollow, kPrefer, kNever,
+                              settings(CudnnPreference::kFollowPyTorch, PadMode::kAlways)}) {
+      CAPTURE(shapes[0], shapes[1], openwam::to_string(s.cudnn), openwam::to_string(s.pad));
+      Inputs in;
+      in.query = at::randn(shapes[0], openwam_test::kBF16).requires_grad_(true);
+      in.key = at::randn(shapes[1], openwam_test::kBF16).requires_grad_(true);
+      in.value = at::randn(shapes[1], openwam_test::kBF16).requires_grad_(true);
+      PosedStack stack;
+      const Decision d = stack.decide(in, s);
+      CHECK(d.route == Route::kMathForEmpty);
+      CHECK(stack.calls == 0);
+      CHECK_THAT(std::string(d.reason), Contains("empty"));
+      CHECK(d.plan.none());
+      PosedStack no_math;
+      no_math.math_sdp_enabled = false;
+      CHECK(no_math.decide(in, s).route == Route::kPyTorch);
+    }
+  }
+  // Empty and invalid: PyTorch itself, to raise its own error.
+  Inputs bad;
+  bad.query = at::randn({0, 2, 3, 8}, openwam_test::kBF16);
+  bad.key = at::randn({0, 2, 5, 8}, openwam_test::kF16);
+  bad.value = at::randn({0, 2, 5, 8}, openwam_test::kBF16);
+  PosedStack stack;
+  const Decision d = stack.decide(bad, kFollow);
+  CHECK(d.route == Route::kPyTorch);
+  CHECK(stack.calls == 0);
+  CHECK_THAT(std::string(d.reason), Contains("empty"));
+}
+
+TEST_CASE("decide: inputs the cuDNN path rejects, cuDNN the only backend allowed",
+          "[decision]") {
+  // sdpa_kernel(CUDNN_ATTENTION): the call is PyTorch's as it is, as F.sdpa
+  // would run it (switching cuDNN off would leave no backend and raise).
+  const Inputs in = bhsd(2, 4, 8, 320, 12);
+  PosedStack stack;
+  stack.other_sdp_enabled = false;
+  const Decision d = stack.decide(in, kFollow);
+  CHECK(d.route == Route::kPyTorch);
+}
+
+TEST_CASE("decide: inputs the cuDNN path rejects", "[decision]") {
+  // head_dim 12 is not a multiple of 8: the path cannot take it.
+  const Inputs in = bhsd(2, 4, 8, 320, 12);
+  SECTION("differentiated, PyTorch picks cuDNN: PyTorch without cuDNN") {
+    for (const Settings& s : {kFollow, kPrefer}) {
+      PosedStack stack;
+      const Decision d = stack.decide(in, s);
+      CHECK(d.route == Route::kPyTorchWithoutCudnn);
+      CHECK(stack.calls == 1);
+      CHECK(std::string(d.pytorch_choice) == "cudnn_attention");
+      CHECK_THAT(std::string(d.reason), Contains("cannot take these inputs"));
+      CHECK(d.plan.none());
+      CHECK(d.rule == nullptr);
+    }
+  }
+  SECTION("differentiated, PyTorch picks another backend: PyTorch untouched") {
+    PosedStack stack;
+    stack.choice = backend(at::SDPBackend::math);
+    const Decision d = stack.decide(in, kFollow);
+    CHECK(d.route == Route::kPyTorch);
+    CHECK(stack.calls == 1);
+    CHECK(std::string(d.pytorch_choice) == "math");
+    CHECK(std::string(d.reason) == "head_dim is not a multiple of 8 up to 256");
+  }
+  SECTION("not differentiated: PyTorch untouched, not asked") {
+    // cuDNN's forward has no known defect.
+    const Inputs no_grad = bhsd(2, 4, 8, 320, 12, openwam_test::kBF16, false);
+    PosedStack stack;
+    Decision d = stack.decide(no_grad, kFollow);
+    CHECK(d.route == Route::kPyTorch);
+    CHECK(stack.calls == 0);
+    CHECK(std::string(d.pytorch_choice) == "not asked");
+    CHECK(std::string(d.reason) == "head_dim is not a multiple of 8 up to 256");
+    at::AutoGradMode grad_off(false);
+    d = stack.decide(in, kFollow);
+    CHECK(d.route == Route::kPyTorch);
+    CHECK(stack.calls == 0);
+  }
+  SECTION("inputs PyTorch rejects reach PyTorch untouched, not asked") {
+    Inputs bad = bhsd(2, 4, 8, 320, 64);
+    bad.key = bad.key.detach().to(at::kHalf).requires_grad_(true);
+    PosedStack stack;
+    const Decision d = stack.decide(bad, kFollow);
+    CHECK(d.route == Route::kPyTorch);
+    CHECK(stack.calls == 0);
+    CHECK(std::string(d.reason) == "inputs differ in dtype");
+
+    Inputs bad_mask = bhsd(2, 4, 8, 320, 64);
+    bad_mask.attn_mask = at::zeros({8, 320}, at::kInt);
+    const Decision dm = stack.decide(bad_mask, kFollow);
+    CHECK(dm.route == Route::kPyTorch);
+    CHECK(stack.calls == 0);
+  }
+}
+
+TEST_CASE("decide: not differentiated: stock cuDNN, no plan", "[decision]") {
+  // Batch 1, one query row, s_kv % 128 == 64 on 9.19.0: every backward rule
+  // would fire if the call were differentiated.
+  const Inputs no_grad = bhsd(1, 1, 1, 320, 64, openwam_test::kBF16, false);
+  const Inputs grad = bhsd(1, 1, 1, 320, 64);
+  for (const Settings& s : {kFollow, kPrefer,
+                            settings(CudnnPreference::kFollowPyTorch, PadMode::kAlways)}) {
+    for (long version : {k9_19_0, k9_25_1}) {
+      CAPTURE(openwam::to_string(s.cudnn), openwam::to_string(s.pad), version);
+      PosedStack stack;
+      stack.cudnn_version = version;
+      Decision d = stack.decide(no_grad, s);
+      CHECK(d.route == Route::kCudnn);
+      CHECK(d.plan.none());
+      CHECK(d.rule == nullptr);
+      {
+        at::AutoGradMode grad_off(false);
+        d = stack.decide(grad, s);
+        CHECK(d.route == Route::kCudnn);
+        CHECK(d.plan.none());
+        CHECK(d.rule == nullptr);
+      }
+      {
+        c10::InferenceMode inference;
+        d = stack.decide(grad, s);
+        CHECK(d.route == Route::kCudnn);
+        CHECK(d.plan.none());
+      }
+    }
+  }
+}
+
+TEST_CASE("decide: a differentiated call needs only one input requiring grad",
+          "[decision]") {
+  Inputs in = bhsd(2, 4, 8, 320, 64, openwam_test::kBF16, false);
+  in.value.requires_grad_(true);
+  PosedStack stack;
+  CHECK(stack.decide(in, kFollow).plan.to_string() == "repair_dq");
+}
+
+TEST_CASE("decide: a guard rule keeps the call off cuDNN, in every pad mode",
+          "[decision]") {
+  // cuDNN 9.25.1+ segfaults building the backward plan for batch = heads =
+  // s_q = 1 (cudnn-frontend #1071).
+  Inputs three_d;  // 3-D [N, L, E] counts as one head
+  three_d.query = at::randn({1, 1, 64}, openwam_test::kBF16).requires_grad_(true);
+  three_d.key = at::randn({1, 300, 64}, openwam_test::kBF16).requires_grad_(true);
+  three_d.value = at::randn({1, 300, 64}, openwam_test::kBF16).requires_grad_(true);
+  for (const Inputs& in : {bhsd(1, 1, 1, 300, 64), bhsd(1, 1, 1, 256, 64), three_d}) {
+    for (PadMode pad : {PadMode::kAuto, PadMode::kAlways, PadMode::kNever}) {
+      for (CudnnPreference pref :
+           {CudnnPreference::kFollowPyTorch, CudnnPreference::kPrefer}) {
+        for (long version : {k9_25_1, k9_26_0, openwam::kNewestKnownCudnn}) {
+          CAPTURE(in.query.sizes(), in.key.sizes(), openwam::to_string(pad),
+                  openwam::to_string(pref), version);
+          PosedStack stack;
+          stack.cudnn_version = version;
+          const Decision d = stack.decide(in, settings(pref, pad));
+          CHECK(d.route == Route::kPyTorchWithoutCudnn);
+          CHECK(rule_of(d) == "bhsq1_backward_plan_segfault");
+          CHECK(std::string(d.reason) == "a guard rule keeps this call off cuDNN");
+          CHECK(d.plan.none());
+        }
+      }
+    }
+  }
+  // Before 9.25.1, or with two heads, the same call stays on cuDNN.
+  PosedStack old_stack;
+  CHECK(old_stack.decide(bhsd(1, 1, 1, 300, 64), kFollow).route == Route::kCudnn);
+  PosedStack new_stack;
+  new_stack.cudnn_version = k9_25_1;
+  CHECK(new_stack.decide(bhsd(1, 2, 1, 300, 64), kFollow).route == Route::kCudnn);
+}
+
+TEST_CASE("decide: OPENWAM_SDPA_PAD=auto takes the guard table's plan", "[decision]") {
+  struct Case {
+    Inputs in;
+    long version;
+    const char* plan;
+    const char* rule;
+  };
+  Inputs dropout = bhsd(2, 4, 8, 320, 64);
+  dropout.dropout_p = 0.25;
+  Inputs causal = bhsd(2, 4, 8, 320, 64);
+  causal.is_causal = true;
+  const Case cases[] = {
+      {bhsd(2, 4, 8, 320, 64), k9_19_0, "repair_dq", "key_tail_nan_dq_9.19"},
+      {dropout, k9_19_0, "pad_keys_forward", "key_tail_nan_dq_9.19"},
+      {causal, k9_19_0, "none", "<none>"},                     // measured clean
+      {bhsd(2, 4, 8, 300, 64), k9_19_0, "none", "<none>"},     // r != 64
+      {bhsd(2, 4, 8, 300, 96), k9_19_0, "repair_dq", "key_tail_nan_dq"},
+      {bhsd(2, 4, 8, 300, 64), k9_25_1, "repair_dq", "key_tail_nan_dq"},
+      {bhsd(2, 4, 8, 300, 64), k9_26_0, "none", "<none>"},     // fixed
+      {bhsd(1, 4, 1, 256, 64), k9_19_0, "pad_query_backward", "sq1_nan_dk_dv_9.19"},
+      {bhsd(1, 4, 1, 320, 64), k9_19_0, "repair_dq+pad_query_backward",
+       "key_tail_nan_dq_9.19"},
+      {bhsd(1, 4, 1, 300, 64), k9_26_0, "pad_query_backward", "sq1_nan_dk_dv"},
+      {bhsd(1, 4, 1, 300, 64), kTooNew, "none", "<none>"},     // unknown: no rule
+      {bhsd(2, 8, 8, 320, 64, openwam_test::kBF16, true, 2), k9_19_0, "repair_dq",
+       "key_tail_nan_dq_9.19"},                                // GQA
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.in.query.sizes(), c.in.key.sizes(), c.in.dropout_p, c.in.is_causal,
+            c.version);
+    for (const Settings& s : {kFollow, kPrefer}) {
+      PosedStack stack;
+      stack.cudnn_version = c.version;
+      const Decision d = stack.decide(c.in, s);
+      CHECK(d.route == Route::kCudnn);
+      CHECK(d.plan.to_string() == c.plan);
+      CHECK(rule_of(d) == c.rule);
+    }
+  }
+}
+
+TEST_CASE("decide: OPENWAM_SDPA_PAD=always pads every unaligned key length",
+          "[decision]") {
+  const Settings always = settings(CudnnPreference::kFollowPyTorch, PadMode::kAlways);
+  Inputs dropout = bhsd(2, 4, 8, 300, 64);
+  dropout.dropout_p = 0.25;
+  struct Case {
+    Inputs in;
+    long version;
+    const char* plan;
+    const char* rule;
+  };
+  const Case cases[] = {
+      // Unaffected versions and shapes are padded too, with no rule to warn.
+      {bhsd(2, 4, 8, 300, 64), k9_19_0, "pad_keys_backward", "<none>"},
+      {bhsd(2, 4, 8, 300, 64), kTooNew, "pad_keys_backward", "<none>"},
+      {dropout, k9_26_0, "pad_keys_forward", "<none>"},
+      // The key-tail rows' repair gives way to padding; the rule still warns.
+      {bhsd(2, 4, 8, 320, 64), k9_19_0, "pad_keys_backward", "key_tail_nan_dq_9.19"},
+      // Nothing to pad at a multiple of 128.
+      {bhsd(2, 4, 8, 256, 64), k9_19_0, "none", "<none>"},
+      // The single-row fix is kept.
+      {bhsd(1, 4, 1, 256, 64), k9_19_0, "pad_query_backward", "sq1_nan_dk_dv_9.19"},
+      {bhsd(1, 4, 1, 300, 64), k9_19_0, "pad_keys_backward+pad_query_backward",
+       "sq1_nan_dk_dv_9.19"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.in.query.sizes(), c.in.key.sizes(), c.in.dropout_p, c.version);
+    PosedStack stack;
+    stack.cudnn_version = c.version;
+    const Decision d = stack.decide(c.in, always);
+    CHECK(d.route == Route::kCudnn);
+    CHECK(d.plan.to_string() == c.plan);
+    CHECK(rule_of(d) == c.rule);
+  }
+}
+
+TEST_CASE("decide: OPENWAM_SDPA_PAD=never: no fix, no rule", "[decision]") {
+  const Settings never = settings(CudnnPreference::kFollowPyTorch, PadMode::kNever);
+  Inputs dropout = bhsd(2, 4, 8, 320, 64);
+  dropout.dropout_p = 0.25;
+  for (const Inputs& in : {bhsd(2, 4, 8, 320, 64), dropout, bhsd(1, 4, 1, 320, 64)}) {
+    CAPTURE(in.query.sizes(), in.dropout_p);
+    PosedStack stack;
+    const Decision d = stack.decide(in, never);
+    CHECK(d.route == Route::kCudnn);
+    CHECK(d.plan.none());
+    CHECK(d.rule == nullptr);
+  }
+}
+
+TEST_CASE("decide: the selector is asked at most once, only where needed",
+          "[decision]") {
+  struct Case {
+    const char* what;
+    Settings settings;
+    Inputs in;
+    const char* unavailable;
+    int calls;
+  };
+  const Case cases[] = {
+      {"follow, valid", kFollow, key_tail_call(), nullptr, 1},
+      {"follow, rejected, differentiated", kFollow, bhsd(2, 4, 8, 320, 12), nullptr, 1},
+      {"follow, rejected, no grad", kFollow,
+       bhsd(2, 4, 8, 320, 12, openwam_test::kBF16, false), nullptr, 0},
+      {"follow, unavailable", kFollow, key_tail_call(), "no cuDNN", 0},
+      {"prefer, valid", kPrefer, key_tail_call(), nullptr, 0},
+      {"prefer, rejected, differentiated", kPrefer, bhsd(2, 4, 8, 320, 12), nullptr, 1},
+      {"prefer, unavailable", kPrefer, key_tail_call(), "no cuDNN", 0},
+      {"never", kNever, key_tail_call(), nullptr, 0},
+      {"never, rejected", kNever, bhsd(2, 4, 8, 320, 12), nullptr, 0},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.what);
+    PosedStack stack;
+    stack.cudnn_unavailable = c.unavailable;
+    stack.decide(c.in, c.settings);
+    CHECK(stack.calls == c.calls);
+  }
+}
+
+TEST_CASE("decide: every decision gives a reason", "[decision]") {
+  const Inputs inputs[] = {key_tail_call(), bhsd(2, 4, 8, 320, 12),
+                           bhsd(1, 1, 1, 300, 64),
+                           bhsd(2, 4, 8, 320, 64, openwam_test::kBF16, false)};
+  for (const Inputs& in : inputs) {
+    for (const Settings& s : {kFollow, kPrefer, kNever}) {
+      for (long version : {k9_19_0, k9_25_1, kTooNew}) {
+        for (int64_t choice : {backend(at::SDPBackend::cudnn_attention),
+                               backend(at::SDPBackend::flash_attention)}) {
+          PosedStack stack;
+          stack.cudnn_version = version;
+          stack.choice = choice;
+          const Decision d = stack.decide(in, s);
+          CAPTURE(in.query.sizes(), openwam::to_string(s.cudnn), version, choice,
+                  openwam::to_string(d.route));
+          REQUIRE(d.reason != nullptr);
+          CHECK(std::string(d.reason).size() > 0);
+          REQUIRE(d.pytorch_choice != nullptr);
+          CHECK(std::string(d.pytorch_choice).size() > 0);
+          // A plan only on the cuDNN path; a rule only with a plan or an
+          // avoided call.
+          if (d.route != Route::kCudnn) {
+            CHECK(d.plan.none());
+          }
+          if (d.rule != nullptr) {
+            CHECK((!d.plan.none() || d.route == Route::kPyTorchWithoutCudnn));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("decide with this process's stack: CPU inputs never take cuDNN",
+          "[decision]") {
+  const Inputs in = key_tail_call();
+  at::AutoGradMode grad_on(true);
+  REQUIRE(in.call().differentiated());
+  for (auto pref : {CudnnPreference::kFollowPyTorch, CudnnPreference::kPrefer}) {
+    for (auto pad : {PadMode::kAuto, PadMode::kAlways, PadMode::kNever}) {
+      CAPTURE(openwam::to_string(pref), openwam::to_string(pad));
+      const Decision d = openwam::decide(in.call(), settings(pref, pad));
+      CHECK(d.route == Route::kPyTorch);
+      CHECK(std::string(d.reason) == "inputs are not on a CUDA device");
+      CHECK(std::string(d.pytorch_choice) == "not asked");
+      CHECK(d.plan.none());
+      CHECK(d.rule == nullptr);
+    }
+  }
+  CHECK(openwam::decide(in.call(), kNever).route == Route::kPyTorchWithoutCudnn);
+}

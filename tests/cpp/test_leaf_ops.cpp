@@ -1,0 +1,525 @@
+// The cuDNN path's leaf ops on the CPU, through the dispatcher: their CPU
+// kernels run the plans around an fp32 reference attention
+// (csrc/cudnn_path_kernels.cpp). Every plan must give what the float64
+// reference gives; the Meta kernels must promise the layouts the CPU kernels
+// deliver; the autograd node must call the backward op; openwam::_repair_dq_
+// must recompute exactly the rows it is meant to.
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "plan.h"
+#include "repair_dq.h"
+#include "support.h"
+#include "env.h"
+
+using Catch::Matchers::Contains;
+using openwam::Plan;
+using openwam_test::bhsd;
+using openwam_test::bshd;
+using openwam_test::Inputs;
+using openwam_test::kBF16;
+using openwam_test::kF32;
+using openwam_test::kF64;
+using openwam_test::max_abs_diff;
+using openwam_test::reference_attention;
+using openwam_test::rel_diff;
+using openwam_test::same_layout;
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// The leaf ops' inputs: 4-D q, k, v and an additive bias in q's dtype (or
+// none), none of them requiring grad.
+struct LeafCase {
+  std::string name;
+  Inputs in;
+  at::Tensor bias;
+  bool one_row() const { return in.query.size(2) == 1; }
+};
+
+at::Tensor additive(const at::Tensor& keep, at::TensorOptions options) {
+  return at::zeros(keep.sizes(), options).masked_fill(keep.logical_not(), -kInf);
+}
+
+Inputs no_grad(Inputs in) {
+  in.query = in.query.detach();
+  in.key = in.key.detach();
+  in.value = in.value.detach();
+  return in;
+}
+
+std::vector<LeafCase> leaf_cases(at::TensorOptions options) {
+  std::vector<LeafCase> cases;
+  const auto add = [&](std::string name, Inputs in, at::Tensor bias = at::Tensor()) {
+    cases.push_back({std::move(name), no_grad(std::move(in)), std::move(bias)});
+  };
+  add("no mask", bhsd(2, 2, 7, 45, 16, options, false));
+  add("aligned keys", bhsd(2, 2, 7, 128, 16, options, false));
+  {
+    // A bool mask as cudnn_bias gives it: [B, 1, L, S], one row fully hidden.
+    at::Tensor keep = at::rand({2, 1, 7, 45}).gt(0.4);
+    keep.select(-1, 0).fill_(true);
+    keep[0][0][3].fill_(false);
+    add("bool mask, a hidden row", bhsd(2, 2, 7, 45, 16, options, false),
+        additive(keep, options));
+  }
+  add("additive mask [1, 1, L, S]", bhsd(2, 2, 7, 45, 16, options, false),
+      at::randn({1, 1, 7, 45}, options));
+  add("key-padding mask [B, 1, 1, S]", bhsd(2, 2, 7, 200, 16, options, false),
+      additive(at::arange(200).lt(150).view({1, 1, 1, 200}).expand({2, 1, 1, 200})
+                   .contiguous(),
+               options));
+  for (auto [L, S] : std::vector<std::pair<int64_t, int64_t>>{{5, 5}, {3, 9}, {9, 3}, {4, 130}}) {
+    Inputs in = bhsd(2, 2, L, S, 8, options, false);
+    in.is_causal = true;
+    add("causal " + std::to_string(L) + "x" + std::to_string(S), in);
+  }
+  add("GQA 4/2", bhsd(2, 4, 7, 45, 16, options, false, 2));
+  add("BSHD", bshd(2, 3, 7, 45, 16, options, false));
+  {
+    Inputs in = bhsd(2, 2, 7, 45, 16, options, false);
+    in.scale = 0.7;
+    add("scale 0.7", in);
+  }
+  {
+    Inputs in = bhsd(2, 2, 7, 45, 16, options, false);
+    openwam_test::make_first_row_low(in);
+    add("a row with logsumexp near -55", in);
+  }
+  add("one query row", bhsd(1, 2, 1, 45, 16, options, false));
+  add("one query row, one head", bhsd(1, 1, 1, 300, 16, options, false));
+  {
+    Inputs in = bhsd(1, 2, 1, 45, 16, options, false);
+    in.is_causal = true;
+    add("one query row, causal", in);
+  }
+  {
+    at::Tensor keep = at::rand({1, 1, 1, 45}).gt(0.5);
+    keep.select(-1, 0).fill_(true);
+    add("one query row, mask", bhsd(1, 2, 1, 45, 16, options, false),
+        additive(keep, options));
+  }
+  {
+    Inputs in = bhsd(1, 4, 1, 45, 16, options, false, 2);
+    openwam_test::make_first_row_low(in);
+    add("one query row, GQA, logsumexp near -55", in);
+  }
+  return cases;
+}
+
+std::optional<at::Tensor> opt(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+using Forward = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using Backward = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+Forward forward(const LeafCase& c, int64_t plan, bool lse = true) {
+  const Inputs& in = c.in;
+  return openwam::ops::cudnn_sdpa().call(in.query, in.key, in.value, opt(c.bias),
+                                         in.dropout_p, in.is_causal, in.scale, lse, plan);
+}
+
+Backward backward(const LeafCase& c, const at::Tensor& grad_out, const Forward& f,
+                  int64_t plan) {
+  const Inputs& in = c.in;
+  return openwam::ops::cudnn_sdpa_backward().call(
+      grad_out, in.query, in.key, in.value, opt(c.bias), std::get<0>(f), std::get<1>(f),
+      std::get<2>(f), std::get<3>(f), in.dropout_p, in.is_causal, in.scale, plan);
+}
+
+// Plans a call can carry: the single-row fix only for one query row.
+std::vector<int64_t> plans_for(const LeafCase& c) {
+  std::vector<int64_t> plans;
+  for (int64_t bits = 0; bits < 16; ++bits) {
+    if (!Plan::from_int(bits).pad_query_backward || c.one_row()) {
+      plans.push_back(bits);
+    }
+  }
+  return plans;
+}
+
+at::Tensor as_meta(const at::Tensor& t) {
+  return at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kMeta));
+}
+
+LeafCase on_meta(const LeafCase& c) {
+  LeafCase m = c;
+  m.in.query = as_meta(c.in.query);
+  m.in.key = as_meta(c.in.key);
+  m.in.value = as_meta(c.in.value);
+  if (c.bias.defined()) {
+    m.bias = as_meta(c.bias);
+  }
+  return m;
+}
+
+void check_against_reference(at::TensorOptions options, double tolerance) {
+  for (const LeafCase& c : leaf_cases(options)) {
+    const Inputs& in = c.in;
+    const at::Tensor grad_out = at::randn(in.query.sizes(), options);
+    const auto ref = reference_attention(in.query, in.key, in.value, c.bias, in.is_causal,
+                                         in.scale, grad_out);
+    for (int64_t plan : plans_for(c)) {
+      CAPTURE(c.name, Plan::from_int(plan).to_string());
+      const Forward f = forward(c, plan);
+      const auto& [out, lse, seed, offset] = f;
+      CHECK(same_layout(out, in.query));
+      REQUIRE(lse.sizes() == at::IntArrayRef({in.query.size(0), in.query.size(1),
+                                              in.query.size(2), 1}));
+      CHECK(lse.scalar_type() == at::kFloat);
+      CHECK(rel_diff(out, ref.out) <= tolerance);
+      CHECK(rel_diff(lse.squeeze(-1), ref.logsumexp) <= 1e-5);
+
+      const auto [dq, dk, dv] = backward(c, grad_out, f, plan);
+      CHECK(same_layout(dq, in.query));
+      CHECK(same_layout(dk, in.key));
+      CHECK(same_layout(dv, in.value));
+      CHECK(rel_diff(dq, ref.dq) <= tolerance);
+      CHECK(rel_diff(dk, ref.dk) <= tolerance);
+      CHECK(rel_diff(dv, ref.dv) <= tolerance);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("the openwam schemas are registered", "[leaf_ops]") {
+  auto& d = c10::Dispatcher::singleton();
+  for (const char* name : {"openwam::sdpa", "openwam::_cudnn_sdpa",
+                           "openwam::_cudnn_sdpa_backward", "openwam::_repair_dq_",
+                           "openwam::pad_keys"}) {
+    CAPTURE(name);
+    CHECK(d.findSchema({name, ""}).has_value());
+  }
+  // pad_keys' multiple defaults to the cuDNN key tile.
+  const auto& args = openwam_test::pad_keys_op().schema().arguments();
+  REQUIRE(args.size() == 4);
+  REQUIRE(args[3].default_value().has_value());
+  CHECK(args[3].default_value()->toInt() == 128);
+}
+
+TEST_CASE("the float64 reference agrees with ATen's math attention", "[leaf_ops]") {
+  // The instrument the leaf ops are measured with, measured once itself, on
+  // inputs where ATen's conventions and cuDNN's agree (every row sees a key).
+  for (const LeafCase& c : leaf_cases(kF64)) {
+    if (c.name == "bool mask, a hidden row") {
+      continue;
+    }
+    CAPTURE(c.name);
+    const Inputs& in = c.in;
+    const at::Tensor grad_out = at::randn(in.query.sizes(), kF64);
+    const auto ref = reference_attention(in.query, in.key, in.value, c.bias, in.is_causal,
+                                         in.scale, grad_out);
+    const at::Tensor q = in.query.clone().requires_grad_(true);
+    const at::Tensor k = in.key.clone().requires_grad_(true);
+    const at::Tensor v = in.value.clone().requires_grad_(true);
+    const at::Tensor out = std::get<0>(at::_scaled_dot_product_attention_math(
+        q, k, v, opt(c.bias), 0.0, in.is_causal, std::nullopt, in.scale, in.enable_gqa));
+    const auto grads = torch::autograd::grad({out}, {q, k, v}, {grad_out});
+    CHECK(rel_diff(ref.out, out) <= 1e-12);
+    CHECK(rel_diff(ref.dq, grads[0]) <= 1e-12);
+    CHECK(rel_diff(ref.dk, grads[1]) <= 1e-12);
+    CHECK(rel_diff(ref.dv, grads[2]) <= 1e-12);
+  }
+}
+
+TEST_CASE("_cudnn_sdpa on the CPU: every plan equals the float64 reference (fp32)",
+          "[leaf_ops][numerics]") {
+  check_against_reference(kF32, 2e-5);
+}
+
+TEST_CASE("_cudnn_sdpa on the CPU: every plan equals the float64 reference (bf16)",
+          "[leaf_ops][numerics]") {
+  check_against_reference(kBF16, 2e-2);
+}
+
+TEST_CASE("_cudnn_sdpa on the CPU: the plans do not change the results",
+          "[leaf_ops][numerics]") {
+  for (const LeafCase& c : leaf_cases(kF32)) {
+    const at::Tensor grad_out = at::randn(c.in.query.sizes(), kF32);
+    const Forward f0 = forward(c, 0);
+    const auto [dq0, dk0, dv0] = backward(c, grad_out, f0, 0);
+    const at::Tensor low = std::get<1>(f0) < openwam::kRepairLseThreshold;
+    for (int64_t plan : plans_for(c)) {
+      const Plan p = Plan::from_int(plan);
+      CAPTURE(c.name, p.to_string());
+      const Forward f = forward(c, plan);
+      if (!p.pad_keys_forward) {
+        // Only padding in the forward touches the forward.
+        CHECK(std::get<0>(f).equal(std::get<0>(f0)));
+        CHECK(std::get<1>(f).equal(std::get<1>(f0)));
+      } else {
+        CHECK(max_abs_diff(std::get<0>(f), std::get<0>(f0)) <= 1e-5);
+        CHECK(max_abs_diff(std::get<1>(f), std::get<1>(f0)) <= 1e-5);
+      }
+      const auto [dq, dk, dv] = backward(c, grad_out, f, plan);
+      if (!p.pads_keys() && !p.pad_query_backward) {
+        // The repair rewrites the low rows of dQ only.
+        CHECK(dk.equal(dk0));
+        CHECK(dv.equal(dv0));
+        CHECK(dq.masked_select(low.logical_not()).equal(dq0.masked_select(low.logical_not())));
+      }
+      CHECK(rel_diff(dq, dq0) <= 2e-5);
+      CHECK(rel_diff(dk, dk0) <= 2e-5);
+      CHECK(rel_diff(dv, dv0) <= 2e-5);
+    }
+  }
+}
+
+TEST_CASE("_cudnn_sdpa on the CPU: the repair plan rewrites the low dQ rows",
+          "[leaf_ops][numerics]") {
+  // float64 inputs: the engine's backward computes in fp32, the repair in
+  // float64, so every row the repair rewrote differs from the stock row.
+  for (bool masked : {false, true}) {
+    CAPTURE(masked);
+    LeafCase c{"", no_grad(bhsd(2, 2, 7, 45, 16, kF64, false)), at::Tensor()};
+    openwam_test::make_first_row_low(c.in);
+    if (masked) {
+      c.bias = at::randn({1, 1, 7, 45}, kF64);
+    }
+    const at::Tensor grad_out = at::randn(c.in.query.sizes(), kF64);
+    const Forward f = forward(c, 0);
+    const at::Tensor low = std::get<1>(f) < openwam::kRepairLseThreshold;  // [B, H, L, 1]
+    REQUIRE(low.sum().item<int64_t>() == 4);  // the first row of each (b, h)
+    REQUIRE(low.select(2, 0).all().item<bool>());
+
+    const at::Tensor dq_stock = std::get<0>(backward(c, grad_out, f, 0));
+    const at::Tensor dq = std::get<0>(backward(c, grad_out, f, /*repair_dq*/ 1));
+    const at::Tensor rows = at::ones_like(dq, at::kBool).logical_and(low);
+    CHECK(dq.masked_select(rows.logical_not()).equal(dq_stock.masked_select(rows.logical_not())));
+    CHECK(dq.masked_select(rows).ne(dq_stock.masked_select(rows)).all().item<bool>());
+    // What it wrote is what openwam::_repair_dq_ writes over the stock dQ.
+    at::Tensor repaired = dq_stock.clone();
+    openwam_test::repair_dq_op().call(repaired, grad_out, c.in.query, c.in.key, c.in.value,
+                                      std::get<0>(f), std::get<1>(f), opt(c.bias), false,
+                                      0.25);
+    CHECK(dq.equal(repaired));
+  }
+}
+
+TEST_CASE("_cudnn_sdpa: the Meta kernels give the CPU kernels' layouts", "[leaf_ops]") {
+  for (const LeafCase& c : leaf_cases(kBF16)) {
+    const LeafCase m = on_meta(c);
+    const at::Tensor grad_out = at::randn(c.in.query.sizes(), kBF16);
+    for (int64_t plan : plans_for(c)) {
+      for (bool lse : {true, false}) {
+        CAPTURE(c.name, Plan::from_int(plan).to_string(), lse);
+        const Forward f = forward(c, plan, lse);
+        const Forward fm = forward(m, plan, lse);
+        CHECK(std::get<0>(fm).is_meta());
+        CHECK(same_layout(std::get<0>(fm), std::get<0>(f)));
+        CHECK(same_layout(std::get<1>(fm), std::get<1>(f)));
+        CHECK(same_layout(std::get<2>(fm), std::get<2>(f)));
+        CHECK(same_layout(std::get<3>(fm), std::get<3>(f)));
+        if (!lse) {
+          CHECK(std::get<1>(f).sizes() == at::IntArrayRef({0}));
+          continue;
+        }
+        const Backward b = backward(c, grad_out, f, plan);
+        const Backward bm = backward(m, as_meta(grad_out), fm, plan);
+        CHECK(std::get<0>(bm).is_meta());
+        CHECK(same_layout(std::get<0>(bm), std::get<0>(b)));
+        CHECK(same_layout(std::get<1>(bm), std::get<1>(b)));
+        CHECK(same_layout(std::get<2>(bm), std::get<2>(b)));
+      }
+    }
+  }
+}
+
+TEST_CASE("_cudnn_sdpa: the autograd node calls the backward op with the plan",
+          "[leaf_ops]") {
+  for (const LeafCase& c : leaf_cases(kF32)) {
+    for (int64_t plan : {int64_t{0}, int64_t{1}, int64_t{2}, c.one_row() ? int64_t{9} : int64_t{4}}) {
+      CAPTURE(c.name, Plan::from_int(plan).to_string());
+      const at::Tensor q = c.in.query.clone().requires_grad_(true);
+      const at::Tensor k = c.in.key.clone().requires_grad_(true);
+      const at::Tensor v = c.in.value.clone().requires_grad_(true);
+      const at::Tensor out = std::get<0>(openwam::ops::cudnn_sdpa().call(
+          q, k, v, opt(c.bias), 0.0, c.in.is_causal, c.in.scale, true, plan));
+      REQUIRE(out.requires_grad());
+      REQUIRE(out.grad_fn() != nullptr);
+      CHECK(out.grad_fn()->name() == "openwam::CudnnSdpaBackward");
+      const at::Tensor grad_out = at::randn_like(out);
+      const auto grads = torch::autograd::grad({out}, {q, k, v}, {grad_out});
+
+      const Backward direct = backward(c, grad_out, forward(c, plan), plan);
+      CHECK(grads[0].equal(std::get<0>(direct)));
+      CHECK(grads[1].equal(std::get<1>(direct)));
+      CHECK(grads[2].equal(std::get<2>(direct)));
+    }
+  }
+}
+
+TEST_CASE("_cudnn_sdpa: gradients for some inputs only", "[leaf_ops]") {
+  const Inputs in = no_grad(bhsd(2, 2, 7, 45, 16, kF32, false));
+  const at::Tensor v = in.value.clone().requires_grad_(true);
+  const at::Tensor out = std::get<0>(openwam::ops::cudnn_sdpa().call(
+      in.query, in.key, v, std::nullopt, 0.0, false, std::nullopt, true, 0));
+  REQUIRE(out.requires_grad());
+  const at::Tensor grad_out = at::randn_like(out);
+  const auto grads = torch::autograd::grad({out}, {v}, {grad_out});
+  const auto ref = reference_attention(in.query, in.key, in.value, at::Tensor(), false,
+                                       std::nullopt, grad_out);
+  CHECK(rel_diff(grads[0], ref.dv) <= 2e-5);
+  // Without grad mode: no node.
+  at::AutoGradMode grad_off(false);
+  const at::Tensor plain = std::get<0>(openwam::ops::cudnn_sdpa().call(
+      in.query, in.key, v, std::nullopt, 0.0, false, std::nullopt, false, 0));
+  CHECK_FALSE(plain.requires_grad());
+}
+
+TEST_CASE("_cudnn_sdpa: the errors", "[leaf_ops]") {
+  const Inputs in = no_grad(bhsd(2, 2, 7, 45, 16, kF32, false));
+  const at::Tensor q = in.query.clone().requires_grad_(true);
+  const auto call = [&](const at::Tensor& query, const std::optional<at::Tensor>& bias,
+                        double dropout, bool lse, int64_t plan) {
+    return openwam::ops::cudnn_sdpa().call(query, in.key, in.value, bias, dropout, false,
+                                           std::nullopt, lse, plan);
+  };
+  CHECK(openwam_test::error_of([&] { call(q, std::nullopt, 0.0, false, 0); }) ==
+        "openwam::_cudnn_sdpa: a call that needs a gradient must compute the "
+        "logsumexp (compute_log_sumexp=True)");
+  CHECK(openwam_test::error_of([&] {
+          call(q, at::zeros({7, 45}, kF32).requires_grad_(true), 0.0, true, 0);
+        }) == "openwam::_cudnn_sdpa: attn_bias must not require grad (the cuDNN path "
+              "does not differentiate the mask)");
+  CHECK(openwam_test::error_of([&] { call(in.query, std::nullopt, 0.5, true, 0); }) ==
+        "openwam::_cudnn_sdpa (CPU reference kernel): no dropout, got 0.5");
+  for (int64_t plan : {16L, -1L}) {
+    CAPTURE(plan);
+    CHECK_THAT(openwam_test::error_of([&] { call(in.query, std::nullopt, 0.0, true, plan); }),
+               Contains("plan must be a combination of the plan flags"));
+  }
+  const LeafCase c{"", in, at::Tensor()};
+  const Forward f = forward(c, 0);
+  const at::Tensor grad_out = at::randn_like(std::get<0>(f));
+  CHECK_THAT(openwam_test::error_of([&] { backward(c, grad_out, f, 32); }),
+             Contains("plan must be a combination of the plan flags"));
+  CHECK(openwam_test::error_of([&] {
+          openwam::ops::cudnn_sdpa_backward().call(
+              grad_out, in.query, in.key, in.value, std::nullopt, std::get<0>(f),
+              std::get<1>(f), std::get<2>(f), std::get<3>(f), 0.25, false, std::nullopt, 0);
+        }) == "openwam::_cudnn_sdpa_backward (CPU reference kernel): no dropout, got 0.25");
+}
+
+TEST_CASE("_cudnn_sdpa_backward: pad_query_backward needs one query row", "[leaf_ops]") {
+  const LeafCase c{"", no_grad(bhsd(2, 2, 7, 45, 16, kF32, false)), at::Tensor()};
+  const Forward f = forward(c, 0);
+  const at::Tensor grad_out = at::randn_like(std::get<0>(f));
+  for (int64_t plan : {8, 9, 10, 12}) {
+    CAPTURE(plan);
+    CHECK(openwam_test::error_of([&] { backward(c, grad_out, f, plan); }) ==
+          "openwam::_cudnn_sdpa_backward: the plan pad_query_backward is for a single "
+          "query row, got 7 rows");
+  }
+}
+
+TEST_CASE("_cudnn_sdpa: OPENWAM_SDPA_CHECK_FINITE=1 raises on a non-finite gradient",
+          "[leaf_ops]") {
+  const LeafCase c{"", no_grad(bhsd(2, 2, 7, 45, 16, kF32, false)), at::Tensor()};
+  const Forward f = forward(c, 0);
+  at::Tensor grad_out = at::randn_like(std::get<0>(f));
+  grad_out[0][0][3][0] = std::nan("");
+  {
+    openwam_test::ScopedSettings checked(nullptr, nullptr, "1");
+    const std::string error = openwam_test::error_of([&] { backward(c, grad_out, f, 1); });
+    CHECK_THAT(error, Contains("openwam::sdpa: non-finite gradient "
+                               "(OPENWAM_SDPA_CHECK_FINITE=1)") &&
+                          Contains("plan repair_dq") && Contains("query [2, 2, 7, 16]"));
+    // Finite gradients pass.
+    CHECK_NOTHROW(backward(c, at::randn_like(grad_out), f, 1));
+  }
+  openwam_test::ScopedSettings unchecked(nullptr, nullptr, "0");
+  const Backward b = backward(c, grad_out, f, 0);
+  CHECK(std::get<0>(b).isnan().any().item<bool>());
+}
+
+TEST_CASE("_repair_dq_ on the CPU rewrites exactly the rows below -40", "[leaf_ops]") {
+  const int64_t B = 2, H = 2, L = 6, S = 45, D = 16;
+  // Row 1: every key at -60 (logsumexp about -56): repaired. Row 2: at -20:
+  // left alone. Row 3: every key hidden (-inf): zeroed. Row 4: some keys
+  // hidden, the others at -60: repaired. Rows 0, 5: ordinary.
+  const auto bias_rows = [&](at::TensorOptions options) {
+    at::Tensor bias = at::zeros({B, 1, L, S}, kF64);
+    bias.select(2, 1).fill_(-60.0);
+    bias.select(2, 2).fill_(-20.0);
+    bias.select(2, 3).fill_(-kInf);
+    bias.select(2, 4).fill_(-60.0);
+    bias.select(2, 4).narrow(-1, 0, 20).fill_(-kInf);
+    return bias.to(options);
+  };
+  struct Case {
+    const char* name;
+    Inputs in;
+    bool lse_3d;
+  };
+  Inputs causal = bhsd(B, H, L, S, D, kF32, false);
+  causal.is_causal = true;
+  const Case cases[] = {
+      {"fp32", bhsd(B, H, L, S, D, kF32, false), false},
+      {"bf16", bhsd(B, H, L, S, D, kBF16, false), false},
+      {"GQA", bhsd(B, 2 * H, L, S, D, kF32, false, H), false},
+      {"BSHD", bshd(B, H, L, S, D, kF32, false), false},
+      {"causal", causal, false},
+      {"logsumexp [B, H, L]", bhsd(B, H, L, S, D, kF32, false), true},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.name);
+    const Inputs& in = c.in;
+    const at::Tensor bias = bias_rows(in.query.options());
+    const double scale = 0.3;
+    const at::Tensor grad_out = at::randn(in.query.sizes(), in.query.options());
+    const auto ref = reference_attention(in.query, in.key, in.value, bias, in.is_causal,
+                                         scale, grad_out);
+    const at::Tensor out = ref.out.to(in.query.scalar_type());
+    at::Tensor lse = ref.logsumexp.to(at::kFloat);
+    if (!c.lse_3d) {
+      lse = lse.unsqueeze(-1);
+    }
+    const at::Tensor low = ref.logsumexp < -40.0;  // [B, H, L]
+    const at::Tensor hidden = ref.logsumexp.isneginf();
+    REQUIRE(low.select(2, 1).all().item<bool>());
+    REQUIRE(low.select(2, 3).all().item<bool>());
+    REQUIRE(low.select(2, 4).all().item<bool>());
+    REQUIRE(low.sum().item<int64_t>() == 3 * in.query.size(0) * in.query.size(1));
+
+    const double sentinel = 1234.5;
+    at::Tensor dq = at::full_like(in.query, sentinel);
+    openwam_test::repair_dq_op().call(dq, grad_out, in.query, in.key, in.value, out, lse,
+                                      bias, in.is_causal, scale);
+    CHECK(same_layout(dq, in.query));
+    const at::Tensor rows = low.unsqueeze(-1).expand(dq.sizes());
+    const at::Tensor zeroed = hidden.unsqueeze(-1).expand(dq.sizes());
+    const at::Tensor repaired = rows.logical_and(zeroed.logical_not());
+    // Untouched rows keep what was there, bit for bit.
+    CHECK(dq.masked_select(rows.logical_not()).eq(sentinel).all().item<bool>());
+    CHECK(dq.masked_select(zeroed).eq(0).all().item<bool>());
+    const double tolerance = in.query.scalar_type() == at::kBFloat16 ? 2e-2 : 1e-5;
+    CHECK(rel_diff(dq.masked_select(repaired), ref.dq.masked_select(repaired)) <= tolerance);
+  }
+}
+
+TEST_CASE("_repair_dq_: Meta kernel and errors", "[leaf_ops]") {
+  const Inputs in = no_grad(bhsd(2, 2, 6, 45, 16, kF32, false));
+  const auto ref = reference_attention(in.query, in.key, in.value, at::Tensor(), false,
+                                       std::nullopt);
+  const at::Tensor lse = ref.logsumexp.to(at::kFloat).unsqueeze(-1);
+  at::Tensor meta_dq = as_meta(in.query);
+  CHECK_NOTHROW(openwam_test::repair_dq_op().call(
+      meta_dq, as_meta(in.query), as_meta(in.query), as_meta(in.key), as_meta(in.value),
+      as_meta(in.query), as_meta(lse), std::nullopt, false, 0.25));
+  at::Tensor wrong = at::zeros({2, 2, 5, 16}, kF32);
+  CHECK_THAT(openwam_test::error_of([&] {
+               openwam_test::repair_dq_op().call(wrong, in.query, in.query, in.key,
+                                                 in.value, ref.out.to(at::kFloat), lse,
+                                                 std::nullopt, false, 0.25);
+             }),
+             Contains("openwam::_repair_dq_: grad_query must have query's shape"));
+}

@@ -1,0 +1,355 @@
+"""The helpers of both test suites (tests/ on the CPU, tests/gpu on CUDA).
+
+* inputs: random tensors in BHSD or BSHD storage, slices of a fused QKV
+  buffer, broadcast heads, and adversarial q/k/v (through the package's own
+  builder, openwam_sdpa.adversarial), on any device;
+* masks of every kind F.sdpa takes (make_mask, one meaning for every kind);
+* the float64 reference with a safe softmax: a query row that sees no key
+  gets zero output and contributes zero gradient (what F.sdpa does since 2.5
+  and what openwam::sdpa promises);
+* the error rule: at most twice stock PyTorch's own error, plus one floor.
+
+Random data is drawn in float64 on the CPU from a seeded generator and then
+moved, so every device gets the same numbers. Nothing here touches a GPU
+unless asked to, and nothing imports openwam_sdpa at import time.
+
+The test modules import it as ``from support import ...`` (pytest's default
+"prepend" import mode puts tests/ on sys.path); fixtures live in conftest.py.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+ENV_VARS = ("OPENWAM_SDPA_CUDNN", "OPENWAM_SDPA_PAD", "OPENWAM_SDPA_CHECK_FINITE")
+F_SDPA = F.scaled_dot_product_attention  # bound before any test can patch it
+
+
+# --------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape, dtype=torch.float64, seed=0, generator=None, layout="bhsd", device="cpu",
+          requires_grad=False):
+    """A random tensor of logical shape `shape` ([..., H, S, E] for 4-D),
+    drawn from `generator`, or from a fresh one seeded with `seed`.
+
+    layout "bhsd": contiguous. "bshd" (4-D only): a [B, S, H, E] buffer viewed
+    as [B, H, S, E], as attention modules produce it.
+    """
+    g = gen(seed) if generator is None else generator
+    if layout == "bhsd":
+        t = torch.randn(shape, generator=g, dtype=torch.float64)
+    elif layout == "bshd":
+        assert len(shape) == 4
+        B, H, S, E = shape
+        t = torch.randn(B, S, H, E, generator=g, dtype=torch.float64).transpose(1, 2)
+    else:
+        raise ValueError(f"unknown layout {layout!r}")
+    return t.to(device=device, dtype=dtype).requires_grad_(requires_grad)
+
+
+def qkv(B, Hq, L, S, E, *, Hkv=None, Ev=None, dtype=torch.float64, seed=0, layout="bhsd",
+        device="cpu", requires_grad=False):
+    """(q, k, v) leaves of shapes [B,Hq,L,E], [B,Hkv,S,E], [B,Hkv,S,Ev], drawn
+    in turn from one generator seeded with `seed`."""
+    Hkv = Hq if Hkv is None else Hkv
+    Ev = E if Ev is None else Ev
+    g = gen(seed)
+    common = dict(dtype=dtype, generator=g, layout=layout, device=device,
+                  requires_grad=requires_grad)
+    return (randn(B, Hq, L, E, **common), randn(B, Hkv, S, E, **common),
+            randn(B, Hkv, S, Ev, **common))
+
+
+def fused_qkv(B, H, S, E, *, dtype=torch.float64, seed=0, device="cpu"):
+    """q, k, v as slices of one [B, S, 3, H, E] buffer (a fused QKV
+    projection), viewed as [B, H, S, E]; the buffer is the autograd leaf."""
+    buf = randn(B, S, 3, H * E, dtype=dtype, seed=seed, device=device).view(B, S, 3, H, E)
+    buf = buf.detach().requires_grad_()
+    q, k, v = (buf[:, :, i].transpose(1, 2) for i in range(3))
+    return buf, q, k, v
+
+
+def expanded_heads(B, H, S, E, *, dtype=torch.float64, seed=0, device="cpu"):
+    """A [B, 1, S, E] leaf expanded (stride 0) to [B, H, S, E]."""
+    base = randn(B, 1, S, E, dtype=dtype, seed=seed, device=device, requires_grad=True)
+    return base, base.expand(B, H, S, E)
+
+
+def adversarial_qkv(B, H, s_q, s_kv, D, low_rows, *, Hkv=None, target=None, scale=None,
+                    layout="bhsd", dtype=torch.bfloat16, device="cpu", seed=0,
+                    requires_grad=True):
+    """(q, k, v) leaves from openwam_sdpa.adversarial.adversarial_inputs: the
+    query rows `low_rows` of every batch and head have every logit near
+    `target` (the builder's default unless given), so their logsumexp lies far
+    below -88.7 (= -ln FLT_MAX); the other rows are standard normal."""
+    from openwam_sdpa.adversarial import DEFAULT_TARGET, adversarial_inputs
+
+    rows = torch.zeros(s_q, dtype=torch.bool)
+    rows[list(low_rows)] = True
+    a = adversarial_inputs(B, H, s_q, s_kv, D, rows=rows,
+                           target=DEFAULT_TARGET if target is None else target,
+                           kv_heads=Hkv, scale=scale, layout=layout, dtype=dtype,
+                           device=device, seed=seed, requires_grad=requires_grad)
+    return a.query, a.key, a.value
+
+
+# --------------------------------------------------------------------------
+# Masks
+# --------------------------------------------------------------------------
+
+# Every kind make_mask builds, and the dense ones (a full query x key mask,
+# or none) that the GPU suite sweeps.
+MASK_KINDS = ("none", "bool", "additive", "key_bool", "key_additive", "key_broadcast")
+DENSE_MASK_KINDS = ("none", "bool", "additive")
+
+
+def make_mask(kind, B, H, L, S, *, rank=4, dtype=torch.float64, device="cpu", seed=7, keep=0.7,
+              empty_rows=()):
+    """A mask as F.sdpa takes it, or None.
+
+    kind: "none" (None); "bool" (True = attend) or "additive" (0.5 * N(0, 1)
+    where visible, -inf where hidden, in `dtype`) of shape [B, H, L, S]
+    (rank 4) or [L, S] (rank 2); "key_bool" / "key_additive": key-padding
+    masks [B, 1, 1, S]; "key_broadcast": an additive [B, H, L, 1] mask
+    (random, broadcast along the key axis). Each key is visible with
+    probability `keep`, and every query row keeps at least one visible key
+    (at a random position), except `empty_rows`: query rows that see no key
+    at all (not for the key_* kinds).
+    """
+    if kind == "none":
+        return None
+    g = gen(seed)
+    if kind == "key_broadcast":
+        mask = torch.randn(B, H, L, 1, generator=g, dtype=torch.float64)
+        return mask.to(device=device, dtype=dtype)
+    if kind in ("key_bool", "key_additive"):
+        shape, base = (B, 1, 1, S), kind[4:]
+    elif rank == 4:
+        shape, base = (B, H, L, S), kind
+    elif rank == 2:
+        shape, base = (L, S), kind
+    else:
+        raise ValueError(f"unsupported mask rank {rank}")
+    visible = torch.rand(shape, generator=g) < keep
+    if S > 0 and visible.numel() > 0:
+        anchor = torch.randint(0, S, shape[:-1] + (1,), generator=g)
+        visible.scatter_(-1, anchor, True)
+    for r in empty_rows:
+        visible[..., r, :] = False
+    if base == "bool":
+        return visible.to(device)
+    if base == "additive":
+        bias = 0.5 * torch.randn(shape, generator=g, dtype=torch.float64)
+        return bias.masked_fill(~visible, float("-inf")).to(device=device, dtype=dtype)
+    raise ValueError(f"unknown mask kind {kind!r}")
+
+
+# --------------------------------------------------------------------------
+# The float64 reference
+# --------------------------------------------------------------------------
+
+
+def reference_attention_lse(q, k, v, attn_mask=None, is_causal=False,
+                            scale=None, enable_gqa=False):
+    """(output, row logsumexp) of attention in float64 from the given
+    (differentiable) tensors, on their device, with a safe softmax: a row that
+    sees no key has output 0, gradient 0 and logsumexp -inf.
+    is_causal is top-left aligned like F.sdpa's (row i sees keys 0..i)."""
+    q, k, v = (t.double() for t in (q, k, v))
+    E = q.shape[-1]
+    scale = 1.0 / math.sqrt(E) if scale is None else scale
+    if enable_gqa and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k = k.repeat_interleave(rep, dim=-3)
+        v = v.repeat_interleave(rep, dim=-3)
+    logits = (q @ k.transpose(-1, -2)) * scale
+    L, S = logits.shape[-2:]
+    if is_causal:
+        causal = torch.ones(L, S, dtype=torch.bool, device=logits.device).tril()
+        logits = logits.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            logits = logits.masked_fill(~attn_mask, float("-inf"))
+        else:
+            logits = logits + attn_mask.double()
+    row_max = logits.amax(-1, keepdim=True).detach() if S > 0 else logits.new_zeros(
+        logits.shape[:-1] + (1,))
+    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+    e = torch.exp(logits - row_max)
+    denom = e.sum(-1, keepdim=True)
+    p = e / torch.where(denom > 0, denom, torch.ones_like(denom))
+    lse = (row_max + torch.log(denom)).squeeze(-1).detach()
+    return p @ v, lse
+
+
+def reference_attention(q, k, v, attn_mask=None, is_causal=False, scale=None,
+                        enable_gqa=False):
+    """The output of reference_attention_lse (differentiable)."""
+    return reference_attention_lse(q, k, v, attn_mask, is_causal, scale, enable_gqa)[0]
+
+
+def grads(out, inputs, grad_out=None, seed=11, retain_graph=False):
+    """d(out . grad_out)/d(inputs), grad_out random (seeded) unless given."""
+    if grad_out is None:
+        grad_out = torch.randn(out.shape, generator=gen(seed), dtype=torch.float64)
+    grad_out = grad_out.to(device=out.device, dtype=out.dtype)
+    return torch.autograd.grad(out, inputs, grad_out, allow_unused=True,
+                               retain_graph=retain_graph)
+
+
+class Attn(NamedTuple):
+    out: torch.Tensor
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+
+
+def run(fn, q, k, v, go, **kwargs) -> Attn:
+    """Forward through `fn` (F.sdpa's signature), then dQ, dK, dV for `go`."""
+    out = fn(q, k, v, **kwargs)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), go)
+    return Attn(out.detach(), dq, dk, dv)
+
+
+def reference(q, k, v, go, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+    """(Attn, row logsumexp): attention and its gradients for `go`, in
+    float64 from the values of q, k, v (half-precision ones included, so that
+    an error against it is the kernel's own, not the inputs' rounding), by
+    reference_attention_lse and autograd. The logsumexp is -inf for a row
+    that sees no key."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out, lse = reference_attention_lse(q64, k64, v64, attn_mask, is_causal, scale, enable_gqa)
+    dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), go.double())
+    return Attn(out.detach(), dq, dk, dv), lse
+
+
+def assert_close(actual, expected, atol, rtol=0.0, what=""):
+    """Like torch.testing.assert_close with NaN == NaN and a message."""
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol,
+                               equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+# --------------------------------------------------------------------------
+# torch.compile
+# --------------------------------------------------------------------------
+
+
+def traced_graphs(fn, *args, grad_out=None) -> dict:
+    """{"forward": GraphModule, "backward": GraphModule}: what AOTAutograd
+    traces for fn(*args) and its backward (for `grad_out`, or of the sum of
+    the output)."""
+    from functorch.compile import aot_function, make_boxed_func
+
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, example_inputs):
+            graphs[name] = gm
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    out = aot_function(fn, fw_compiler=keep("forward"), bw_compiler=keep("backward"))(*args)
+    if grad_out is None:
+        out.float().sum().backward()
+    else:
+        out.backward(grad_out)
+    return graphs
+
+
+def call_targets(gm) -> list[str]:
+    """The targets of a graph's call_function nodes, as strings."""
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+# --------------------------------------------------------------------------
+# Metrics and the error rule
+# --------------------------------------------------------------------------
+
+
+def nonfinite(t: torch.Tensor) -> int:
+    return int((~torch.isfinite(t)).sum())
+
+
+def nonfinite_grads(r: Attn) -> int:
+    return nonfinite(r.dq) + nonfinite(r.dk) + nonfinite(r.dv)
+
+
+def max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest absolute difference (inf or NaN if x has a non-finite
+    element); 0 for an empty tensor."""
+    if x.numel() == 0:
+        return 0.0
+    return float((x.double() - ref).abs().max())
+
+
+def ulp_at_max(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """eps(dtype) * max|ref|: the spacing of `dtype` near the tensor's
+    largest entry (up to a factor 2); 0 for an empty tensor."""
+    if ref.numel() == 0:
+        return 0.0
+    return torch.finfo(dtype).eps * float(ref.abs().max())
+
+
+def floor_for(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """The floor of the error rule, the only one for max-norm errors: a
+    quarter of ulp_at_max (bf16: 2^-9 * max|ref|; fp16: 2^-12 * max|ref|).
+    It only matters where stock's own error is about 0 (a kernel that
+    happens to round like the reference); real defects are O(1) or NaN."""
+    return ulp_at_max(ref, dtype) / 4
+
+
+STOCK_FACTOR = 2.0
+
+
+def twice_stock_problem(name, err, stock_err, floor) -> str | None:
+    """flash-attention's rule, the one comparison every suite makes:
+    err <= STOCK_FACTOR * stock_err + floor. A message when violated (NaN
+    included), else None. The errors are whatever the caller measures;
+    rule_violation measures max-norm errors of one tensor with floor_for."""
+    bound = STOCK_FACTOR * stock_err + floor
+    if not err <= bound:
+        return (f"{name}: error {err:.3e} > {STOCK_FACTOR:g} x stock {stock_err:.3e} "
+                f"+ floor {floor:.3e} = {bound:.3e}")
+    return None
+
+
+def rule_violation(name, ours, stock, ref, dtype) -> str | None:
+    """The error rule on one output or gradient in `dtype`: max|ours - ref|
+    at most twice max|stock - ref|, plus floor_for(ref, dtype)."""
+    return twice_stock_problem(name, max_err(ours, ref), max_err(stock, ref),
+                               floor_for(ref, dtype))
+
+
+def assert_within_stock(ours: Attn, stock: Attn, ref: Attn, dtype, names="out dq dk dv"):
+    problems = [rule_violation(n, getattr(ours, n), getattr(stock, n), getattr(ref, n), dtype)
+                for n in names.split()]
+    problems = [p for p in problems if p]
+    assert not problems, "; ".join(problems)
+
+
+def reference_problem(name, x, ref, dtype, ulps=4.0) -> str | None:
+    """For checks without a stock baseline: max|x - ref| <= ulps *
+    ulp_at_max(ref, dtype) (+ 1e-12, for a reference of zeros). Stock bf16/fp16
+    kernels measure well under 2 ulps on random data; a wrong mask, scale or
+    layout gives errors of order max|ref|. A message when not, else None."""
+    err = max_err(x, ref)
+    bound = ulps * ulp_at_max(ref, dtype) + 1e-12
+    if not err <= bound:
+        return f"{name}: error {err:.3e} > {bound:.3e} ({ulps:g} eps x max|ref|)"
+    return None
+
+
+def assert_close_to_reference(name, x, ref, dtype, ulps=4.0):
+    problem = reference_problem(name, x, ref, dtype, ulps)
+    assert problem is None, problem

@@ -1,0 +1,264 @@
+"""The guarded cuDNN path's two leaf ops on the CPU.
+
+openwam::_cudnn_sdpa and openwam::_cudnn_sdpa_backward carry the fix: the
+backward applies the plan (repair the dQ rows, pad the keys, pad the query
+row) around cuDNN. Their CPU kernels run the same plan code around an exact
+fp32 attention instead of cuDNN (csrc/cudnn_path_kernels.cpp), so that what
+surrounds cuDNN is tested here: every plan must give what the unpadded
+attention gives, the ops must pass opcheck, and torch.compile must keep them
+as leaves, the backward (and with it the fix) included. The public op never
+routes a CPU call here; the GPU suite checks that on the real path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import openwam_sdpa  # noqa: F401  (registers the ops)
+from support import assert_close, call_targets, make_mask, qkv, reference, traced_graphs
+
+FWD = torch.ops.openwam._cudnn_sdpa.default
+BWD = torch.ops.openwam._cudnn_sdpa_backward.default
+
+# Plan bits (csrc/plan.cpp).
+REPAIR_DQ, PAD_KEYS_BACKWARD, PAD_KEYS_FORWARD, PAD_QUERY_BACKWARD = 1, 2, 4, 8
+PLANS = {"none": 0, "repair_dq": REPAIR_DQ, "pad_keys_backward": PAD_KEYS_BACKWARD,
+         "pad_keys_forward": PAD_KEYS_FORWARD, "pad_query_backward": PAD_QUERY_BACKWARD,
+         "repair_dq+pad_query_backward": REPAIR_DQ | PAD_QUERY_BACKWARD,
+         "pad_keys_backward+pad_query_backward": PAD_KEYS_BACKWARD | PAD_QUERY_BACKWARD}
+
+CASES = {
+    # name: dict(B, H, Hkv, L, S, E, mask kind, is_causal, layout)
+    "plain": dict(),
+    "bool_mask": dict(mask="bool"),
+    "additive_mask": dict(mask="additive"),
+    "key_padding_mask": dict(mask="key_bool"),
+    "rank2_mask": dict(mask="bool", rank=2),
+    "causal_l_lt_s": dict(is_causal=True, L=5),
+    "causal_l_gt_s": dict(is_causal=True, L=80),
+    "gqa": dict(H=4, Hkv=2),
+    "value_head_dim": dict(Ev=24),
+    "value_head_dim_bshd": dict(Ev=24, layout="bshd", mask="bool"),
+    "bshd": dict(mask="bool", layout="bshd"),
+    "aligned_keys": dict(S=128),
+    "one_key_over": dict(S=129),
+}
+
+
+def inputs(B=2, H=3, Hkv=None, L=6, S=70, E=16, Ev=None, mask="none", rank=4,
+           is_causal=False, layout="bhsd", one_row=False, seed=0):
+    if one_row:
+        B, L = 1, 1
+    q, k, v = qkv(B, H, L, S, E, Hkv=Hkv, Ev=Ev, dtype=torch.float32, layout=layout,
+                  seed=seed, requires_grad=True)
+    m = make_mask(mask, B, H, L, S, rank=rank, dtype=torch.float32)
+    bias = None
+    if m is not None:
+        bias = m if m.dtype != torch.bool else torch.zeros(m.shape).masked_fill(~m, -math.inf)
+        while bias.dim() < 4:
+            bias = bias.unsqueeze(0)
+    return (q, k, v), m, bias, is_causal
+
+
+def run(q, k, v, bias, is_causal, plan, grad_out):
+    out, lse, seed, offset = FWD(q, k, v, bias, 0.0, is_causal, None, True, plan)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out)
+    return out, lse, (dq, dk, dv)
+
+
+@pytest.mark.parametrize("plan", PLANS.values(), ids=PLANS.keys())
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_every_plan_gives_the_unpadded_attention(case, plan):
+    one_row = bool(plan & PAD_QUERY_BACKWARD)  # the plan for batch 1, one query row
+    if one_row and case.get("is_causal"):
+        case = dict(case, L=1)
+    (q, k, v), mask, bias, causal = inputs(**case, one_row=one_row)
+    grad_out = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=torch.Generator().manual_seed(3))
+    out, lse, g = run(q, k, v, bias, causal, plan, grad_out)
+    ref, ref_lse = reference(q, k, v, grad_out, mask, causal, enable_gqa=True)
+    assert_close(out.double(), ref.out, 2e-5, 2e-5, "out")
+    assert_close(lse.squeeze(-1).double(), ref_lse, 2e-5, 2e-5, "logsumexp")
+    for name, a, b, x in zip(("dq", "dk", "dv"), g, ref[1:], (q, k, v)):
+        assert a.shape == x.shape and a.stride() == torch.empty_like(x).stride(), name
+        assert_close(a.double(), b, 5e-5, 5e-5, name)
+
+
+def test_pad_keys_forward_keeps_outputs():
+    """The dropout plan runs the forward on padded keys too: same outputs."""
+    (q, k, v), mask, bias, causal = inputs(mask="bool")
+    a = FWD(q, k, v, bias, 0.0, causal, None, True, 0)
+    b = FWD(q, k, v, bias, 0.0, causal, None, True, PAD_KEYS_FORWARD)
+    assert_close(a[0], b[0], 1e-6, 1e-6, "out")
+    assert_close(a[1], b[1], 1e-5, 1e-6, "logsumexp")
+
+
+@pytest.mark.parametrize("plan", [0, REPAIR_DQ, PAD_KEYS_BACKWARD])
+def test_fully_masked_rows_get_zero_output_and_gradient(plan):
+    (q, k, v), _, _, _ = inputs()
+    bias = torch.zeros(2, 1, 6, 70)
+    bias[:, :, 2] = -math.inf  # query row 2 sees no key
+    out, lse, (dq, dk, dv) = run(q, k, v, bias, False, plan, torch.ones(2, 3, 6, 16))
+    assert torch.count_nonzero(out[:, :, 2]) == 0
+    assert torch.isneginf(lse[:, :, 2]).all()
+    assert torch.count_nonzero(dq[:, :, 2]) == 0
+    assert all(torch.isfinite(t).all() for t in (out, dq, dk, dv))
+
+
+def test_logsumexp_is_empty_unless_asked():
+    (q, k, v), _, _, _ = inputs()
+    out, lse, _, _ = FWD(q.detach(), k.detach(), v.detach(), None, 0.0, False, None, False, 0)
+    assert lse.numel() == 0 and out.shape == q.shape
+
+
+def test_differentiating_without_logsumexp_raises():
+    (q, k, v), _, _, _ = inputs()
+    with pytest.raises(RuntimeError, match="must compute the logsumexp"):
+        FWD(q, k, v, None, 0.0, False, None, False, 0)
+
+
+def test_invalid_plan_raises():
+    (q, k, v), _, _, _ = inputs()
+    with pytest.raises(RuntimeError, match="plan must be a combination of the plan flags"):
+        FWD(q, k, v, None, 0.0, False, None, True, 64)
+
+
+# --------------------------------------------------------------------------
+# opcheck: schemas, fake (Meta) kernels, autograd registration, AOT dispatch
+# --------------------------------------------------------------------------
+
+OPCHECK = {
+    "plain": dict(),
+    "bool_mask_repair": dict(mask="bool", plan=REPAIR_DQ),
+    "causal_pad_keys": dict(is_causal=True, plan=PAD_KEYS_BACKWARD),
+    "gqa_bshd": dict(H=4, Hkv=2, layout="bshd"),
+    "one_row_pad_query": dict(one_row=True, plan=PAD_QUERY_BACKWARD | REPAIR_DQ),
+}
+
+
+@pytest.mark.parametrize("case", OPCHECK.values(), ids=OPCHECK.keys())
+def test_opcheck_forward(case):
+    case = dict(case)
+    plan = case.pop("plan", 0)
+    (q, k, v), _, bias, causal = inputs(**case, S=40)
+    q, k, v = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
+    bias = None if bias is None else bias.bfloat16()
+    torch.library.opcheck(FWD, (q, k, v, bias, 0.0, causal, None, True, plan))
+
+
+@pytest.mark.parametrize("case", OPCHECK.values(), ids=OPCHECK.keys())
+def test_opcheck_backward(case):
+    case = dict(case)
+    plan = case.pop("plan", 0)
+    (q, k, v), _, bias, causal = inputs(**case, S=40)
+    q, k, v = (t.detach().bfloat16() for t in (q, k, v))
+    bias = None if bias is None else bias.bfloat16()
+    out, lse, seed, offset = FWD(q, k, v, bias, 0.0, causal, None, True, plan)
+    grad_out = torch.randn_like(out)
+    torch.library.opcheck(BWD, (grad_out, q, k, v, bias, out, lse, seed, offset, 0.0, causal,
+                                None, plan))
+
+
+# --------------------------------------------------------------------------
+# torch.compile keeps both ops as leaves: the fix is in the backward graph
+# --------------------------------------------------------------------------
+
+
+def test_traced_backward_graph_holds_the_ops_backward():
+    (q, k, v), _, bias, _ = inputs(mask="bool")
+    plan = REPAIR_DQ | PAD_KEYS_BACKWARD
+    graphs = traced_graphs(lambda q, k, v, b: FWD(q, k, v, b, 0.0, False, None, True, plan)[0],
+                           q, k, v, bias)
+    fwd, bwd = call_targets(graphs["forward"]), call_targets(graphs["backward"])
+    assert "openwam._cudnn_sdpa.default" in fwd
+    assert "openwam._cudnn_sdpa_backward.default" in bwd
+    # The plan travels as the op's argument, not as traced aten calls.
+    node = next(n for n in graphs["backward"].graph.nodes
+                if str(n.target) == "openwam._cudnn_sdpa_backward.default")
+    assert node.args[-1] == plan
+    assert not any("scaled_dot_product" in t or "_repair_dq" in t for t in fwd + bwd)
+
+
+def test_public_op_decision_is_not_traced(ow):
+    """openwam::sdpa decides in C++ while torch.compile traces it: PyTorch's
+    selector never lands in a graph (it broke AOTAutograd's partitioner,
+    "Expected _fused_sdp_choice to be a tensor")."""
+    q, k, v = qkv(2, 3, 6, 70, 16, dtype=torch.float32, requires_grad=True)
+    mask = make_mask("bool", 2, 3, 6, 70)
+    graphs = traced_graphs(lambda q, k, v, m: ow.sdpa(q, k, v, m), q, k, v, mask)
+    everything = call_targets(graphs["forward"]) + call_targets(graphs["backward"])
+    assert not any("_fused_sdp_choice" in t for t in everything)
+    assert any("scaled_dot_product" in t for t in everything)  # PyTorch's own path on CPU
+
+
+@pytest.mark.parametrize("backend,dynamic", [("aot_eager", False), ("aot_eager", True),
+                                             ("inductor", False), ("inductor", True)])
+def test_compiled_leaf_ops_match_eager(backend, dynamic):
+    torch._dynamo.reset()
+    (q, k, v), _, bias, _ = inputs(mask="additive")
+    plan = REPAIR_DQ | PAD_KEYS_BACKWARD
+
+    def fn(q, k, v):
+        return FWD(q, k, v, bias, 0.0, False, None, True, plan)[0]
+
+    grad_out = torch.randn(q.shape)
+    eager_out = fn(q, k, v)
+    eager_g = torch.autograd.grad(eager_out, (q, k, v), grad_out)
+    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)
+    out = compiled(q, k, v)
+    g = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert_close(out, eager_out, 1e-6, 1e-6, "out")
+    for a, b in zip(g, eager_g):
+        assert_close(a, b, 1e-5, 1e-5, "grad")
+    torch._dynamo.reset()
+
+
+# --------------------------------------------------------------------------
+# The repair on its own (the CPU kernel states what the CUDA kernel computes)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", ["first", "one_per_head", 0.3, "all"])
+@pytest.mark.parametrize("causal,mask", [(False, "none"), (True, "none"), (False, "key_bool")])
+def test_repair_recomputes_exactly_the_low_rows(rows, causal, mask):
+    from openwam_sdpa.adversarial import adversarial_inputs
+
+    a = adversarial_inputs(2, 4, 9, 70, 16, rows=rows, kv_heads=2, dtype=torch.float32)
+    m = make_mask(mask, 2, 4, 9, 70, dtype=torch.float32)
+    bias = None if m is None else torch.zeros(m.shape).masked_fill(~m, -math.inf)
+    out, lse, _, _ = FWD(a.query, a.key, a.value, bias, 0.0, causal, None, True, 0)
+    scale = 1.0 / math.sqrt(16)
+    ref_dq = reference(a.query, a.key, a.value, a.grad_out, m, causal, enable_gqa=True)[0].dq
+    low = lse.squeeze(-1) < -40.0
+    assert (low == a.affected).all()  # the builder's rows are exactly the low ones
+    dq = torch.full_like(a.query, float("nan"))
+    dq[~low] = 7.0  # untouched rows keep what they had
+    torch.ops.openwam._repair_dq_(dq, a.grad_out, a.query, a.key, a.value, out, lse, bias,
+                                  causal, scale)
+    assert (dq[~low] == 7.0).all()
+    # The logsumexp comes from an fp32 forward: at |lse| ~ 100 its rounding
+    # (~1e-5) scales every probability of the row by up to ~1e-3.
+    ref = ref_dq[low]
+    assert_close(dq[low].double(), ref, 2e-3 * max(ref.abs().max().item(), 1e-3), 0.0,
+                 "repaired rows")
+
+
+def test_repair_zeroes_rows_that_see_no_key():
+    from openwam_sdpa.adversarial import adversarial_inputs
+
+    a = adversarial_inputs(1, 2, 5, 70, 16, rows="none", dtype=torch.float32)
+    bias = torch.zeros(1, 1, 5, 70)
+    bias[:, :, 3] = -math.inf
+    out, lse, _, _ = FWD(a.query, a.key, a.value, bias, 0.0, False, None, True, 0)
+    dq = torch.full_like(a.query, float("nan"))
+    torch.ops.openwam._repair_dq_(dq, a.grad_out, a.query, a.key, a.value, out, lse, bias,
+                                  False, 0.25)
+    assert torch.count_nonzero(dq[:, :, 3]) == 0
+    assert torch.isnan(dq[:, :, :3]).all()  # rows above the threshold are not touched
+
+
+def test_repaired_rows_counter_is_zero_on_cpu(ow):
+    assert ow.repaired_rows() == 0
+    assert ow.repaired_rows(reset=True) == 0
