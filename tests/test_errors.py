@@ -107,6 +107,8 @@ CASES = {
     "scale_inf": call(scale=float("inf")),
     "scale_nan": call(scale=float("nan")),
     # argument types
+    "query_not_a_tensor": Call(lambda: ([[1.0]], k_(), v_(), None)),
+    "mask_not_a_tensor": Call(lambda: (q_(), k_(), v_(), [[True]])),
     "scale_positional": Call(lambda: (q_(), k_(), v_(), None, 0.0, False, 0.5)),
     "unknown_keyword": call(window=3),
 }
@@ -124,9 +126,10 @@ def outcome(fn, case: Call, seed=5):
 
 def same_outcome(got, expected, what, name=None):
     """`name`: the entry point's own function name, which Python's argument
-    errors (TypeError) carry in place of scaled_dot_product_attention."""
+    errors from its own signature (TypeError) carry in place of
+    scaled_dot_product_attention; errors PyTorch raises name its function."""
     kind, value = expected
-    if name is not None and kind is TypeError:
+    if name is not None and kind is TypeError and got[1] != value:
         value = value.replace("scaled_dot_product_attention()", f"{name}()")
     assert got[0] == kind, f"{what}: {got[0]} ({got[1]!r:.200}) where F.sdpa gives {kind} ({value!r:.200})"
     if kind == "ok":
@@ -160,9 +163,11 @@ def test_same_outcome_as_f_sdpa(ow, case, entry):
     same_outcome(outcome(entry_point(ow), case), outcome(F_SDPA, case), entry, name)
 
 
-@pytest.mark.parametrize("case", [c for n, c in CASES.items()
-                                  if n not in ("scale_positional", "unknown_keyword")],
-                         ids=[n for n in CASES if n not in ("scale_positional", "unknown_keyword")])
+PYTHON_ONLY = ("scale_positional", "unknown_keyword", "query_not_a_tensor", "mask_not_a_tensor")
+
+
+@pytest.mark.parametrize("case", [c for n, c in CASES.items() if n not in PYTHON_ONLY],
+                         ids=[n for n in CASES if n not in PYTHON_ONLY])
 def test_op_same_outcome_as_f_sdpa(case):
     """The op itself (its schema also takes scale and enable_gqa by position)."""
     same_outcome(outcome(op_call, case), outcome(F_SDPA, case), "torch.ops.openwam.sdpa")

@@ -44,8 +44,9 @@ def sdpa(
             F.scaled_dot_product_attention, (query, key, value, attn_mask),
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    if query.is_nested:
-        # Nested (jagged) tensors have kernels of their own behind PyTorch's builtin.
+    if not isinstance(query, _Tensor) or query.is_nested:
+        # Nested (jagged) tensors have kernels of their own behind PyTorch's
+        # builtin; what is no tensor at all gets its TypeError there.
         return _PYTORCH_SDPA(query, key, value, attn_mask, dropout_p, is_causal,
                              scale=scale, enable_gqa=enable_gqa)
     if (not _compiling() and type(query) is _Tensor and type(key) is _Tensor
@@ -56,6 +57,10 @@ def sdpa(
             raise NotImplementedError(CONTEXT_PARALLEL_MESSAGE)
         # Plain tensors: one pybind call into the dispatcher.
         return _C.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if not (isinstance(key, _Tensor) and isinstance(value, _Tensor)
+            and (attn_mask is None or isinstance(attn_mask, _Tensor))):
+        return _PYTORCH_SDPA(query, key, value, attn_mask, dropout_p, is_causal,
+                             scale=scale, enable_gqa=enable_gqa)  # its TypeError
     # Tracers (torch.compile, torch.export, make_fx), tensor subclasses such
     # as DTensor, and __torch_function__ modes: the op through torch.ops.
     return _SDPA_OP(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
