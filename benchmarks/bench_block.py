@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 import report
 import timing
-from stack import headline, import_openwam, stack_info
+from stack import headline, import_openwam, require_device, stack_info
 
 DTYPE = torch.bfloat16
 BASE = "stock"
@@ -313,10 +313,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if not torch.cuda.is_available() and not args.selftest:
-        raise SystemExit("no CUDA device; use --selftest to check the benchmark on the CPU")
-    if args.selftest:
-        torch.set_num_threads(1)  # tiny shapes: threads would only contend with the machine's other work
+    require_device(args.selftest)
     result = run(args)
     md = markdown(result)
     out = Path(args.out)

@@ -44,7 +44,7 @@ import torch
 
 import report
 import timing
-from stack import headline, import_openwam, openwam_settings, stack_info
+from stack import headline, import_openwam, openwam_settings, require_device, stack_info
 
 DTYPE = torch.bfloat16
 BASE = "sdpa"
@@ -395,10 +395,7 @@ def main(argv=None):
         print(md)
         print(f"wrote {', '.join(files)} under {args.out}")
         return
-    if not torch.cuda.is_available() and not args.selftest:
-        raise SystemExit("no CUDA device; use --selftest to check the benchmark on the CPU")
-    if args.selftest:
-        torch.set_num_threads(1)  # tiny shapes: threads would only contend with the machine's other work
+    require_device(args.selftest)
     result = run(args)
     md = markdown(result)
     out = Path(args.out)

@@ -43,7 +43,7 @@ import report
 import sdpa_cases as cases
 import sdpa_measure as measure
 import sdpa_report
-from stack import headline, import_openwam, stack_info
+from stack import headline, import_openwam, require_device, stack_info
 
 SECTIONS = ("methods", "shares", "memory")
 
@@ -229,10 +229,7 @@ def main(argv=None):
         print(md)
         print(f"wrote {', '.join(files)} under {args.out}")
         return
-    if not torch.cuda.is_available() and not args.selftest:
-        raise SystemExit("no CUDA device; use --selftest to check the benchmark on the CPU")
-    if args.selftest:
-        torch.set_num_threads(1)  # tiny shapes: threads would only contend with the machine's other work
+    require_device(args.selftest)
     result = run(args)
     md, files = write(result, Path(args.out))
     print()

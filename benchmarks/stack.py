@@ -17,6 +17,15 @@ REPO = Path(__file__).resolve().parent.parent
 SETTINGS = ("OPENWAM_SDPA_CUDNN", "OPENWAM_SDPA_PAD", "OPENWAM_SDPA_CHECK_FINITE")
 
 
+def require_device(selftest: bool) -> None:
+    """A benchmark needs CUDA, except its --selftest, which runs tiny shapes on
+    one CPU thread (threads would only contend with the machine's other work)."""
+    if not torch.cuda.is_available() and not selftest:
+        raise SystemExit("no CUDA device; use --selftest to check the benchmark on the CPU")
+    if selftest:
+        torch.set_num_threads(1)
+
+
 def import_openwam():
     """Import openwam_sdpa (falling back to <repo>/python on sys.path); returns (module, error)."""
     try:
