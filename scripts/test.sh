@@ -3,7 +3,9 @@
 #
 # 1. installs what the tests need (apt: cmake ninja-build g++ catch2, as root
 #    only; pip: torch==2.13.0 if no torch is importable, pytest, hypothesis,
-#    numpy, pybind11, and transformers for the optional integration tests),
+#    numpy, pybind11, and transformers for the optional integration tests;
+#    pip -qq: this machine kind's pip configuration names package indexes
+#    that do not exist, and pip warns about each; errors still show),
 # 2. builds and installs the extension (pip install --no-build-isolation -e .),
 # 3. runs `python -m pytest -q tests` (tests/gpu skip themselves without CUDA),
 # 4. builds the C++ library and Catch2 tests with CMake in build/cmake and runs
@@ -51,7 +53,7 @@ fi
 
 if ! "$PY" -c 'import torch' 2>/dev/null; then
   say "no importable torch: pip install torch==2.13.0"
-  "$PY" -m pip install -q torch==2.13.0 || { say "installing torch failed"; exit 1; }
+  "$PY" -m pip install -qq torch==2.13.0 || { say "installing torch failed"; exit 1; }
 fi
 pip_pkgs=()
 for spec in pytest:pytest hypothesis:hypothesis numpy:numpy pybind11:pybind11 \
@@ -60,11 +62,11 @@ for spec in pytest:pytest hypothesis:hypothesis numpy:numpy pybind11:pybind11 \
 done
 if ((${#pip_pkgs[@]})); then
   say "pip install ${pip_pkgs[*]}"
-  "$PY" -m pip install -q "${pip_pkgs[@]}" || { say "pip install failed"; exit 1; }
+  "$PY" -m pip install -qq "${pip_pkgs[@]}" || { say "pip install failed"; exit 1; }
 fi
 if ! "$PY" -c 'import transformers' 2>/dev/null; then
   say "pip install transformers (optional: only its integration tests need it)"
-  "$PY" -m pip install -q transformers || say "WARNING: transformers not installed; its tests will skip"
+  "$PY" -m pip install -qq transformers || say "WARNING: transformers not installed; its tests will skip"
 fi
 "$PY" - <<'EOF'
 import sys, torch
