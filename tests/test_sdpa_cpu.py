@@ -465,3 +465,65 @@ def test_double_backward_on_math_backend(ow):
         for a, b in zip(ours, ref):
             assert_close(a, b, 1e-12, what="double backward")
         assert torch.autograd.gradgradcheck(lambda q, k, v: ow.sdpa(q, k, v, mask), (q, k, v))
+
+
+# --------------------------------------------------------------------------
+# PyTorch's switches behave as with F.sdpa: autocast, sdpa_kernel, determinism
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+def test_autocast_casts_like_f_sdpa(ow, mask_kind):
+    """F.sdpa is on autocast's lower-precision list (a float mask is cast
+    too): under torch.autocast the op gives F.sdpa's dtype and values."""
+    q, k, v = qkv(B, H, L, S, E, dtype=torch.float32, requires_grad=True)
+    mask = make_mask(mask_kind, B, H, L, S, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F_SDPA(q, k, v, mask)
+        out = ow.sdpa(q, k, v, mask)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert torch.equal(out, ref)
+    for a, b in zip(grads(out, (q, k, v)), grads(ref, (q, k, v))):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_sdpa_kernel_restrictions_are_pytorchs(ow):
+    """sdpa_kernel restricts the op as it restricts F.sdpa: the same result
+    where the allowed backend serves, the same error and message where it
+    cannot (on the CPU, efficient and cuDNN attention serve nothing)."""
+    q, k, v = qkv(B, H, L, S, E)
+    mask = make_mask("additive", B, H, L, S)
+    outcomes = set()
+    for backends in ([SDPBackend.MATH], [SDPBackend.FLASH_ATTENTION],
+                     [SDPBackend.EFFICIENT_ATTENTION], [SDPBackend.CUDNN_ATTENTION]):
+        with sdpa_kernel(backends):
+            try:
+                expected = ("ok", F_SDPA(q, k, v, mask))
+            except RuntimeError as e:
+                expected = ("error", str(e))
+            try:
+                got = ("ok", ow.sdpa(q, k, v, mask))
+            except RuntimeError as e:
+                got = ("error", str(e))
+        assert got[0] == expected[0], (backends, got, expected)
+        outcomes.add(got[0])
+        if got[0] == "ok":
+            assert torch.equal(got[1], expected[1])
+        else:
+            assert got[1] == expected[1]
+    assert outcomes == {"ok", "error"}  # both kinds compared
+
+
+def test_deterministic_mode_is_pytorchs(ow):
+    q, k, v = qkv(B, H, L, S, E, requires_grad=True)
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        for warn_only in (False, True):
+            torch.use_deterministic_algorithms(True, warn_only=warn_only)
+            ref = F_SDPA(q, k, v)
+            out = ow.sdpa(q, k, v)
+            assert torch.equal(out, ref)
+            for a, b in zip(grads(out, (q, k, v)), grads(ref, (q, k, v))):
+                assert torch.equal(a, b)
+    finally:
+        torch.use_deterministic_algorithms(was)
