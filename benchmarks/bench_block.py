@@ -289,10 +289,7 @@ def plot(result, path):
     report.log_ratio_axis(ax, "per step / stock (log)")
     ax.set_title(f"OpenWAM-shaped block — {report.stack_title(result['stack'])}", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return report.save_figure(fig, path)
 
 
 def parse_args(argv=None):

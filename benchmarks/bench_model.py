@@ -346,10 +346,7 @@ def plot(result, path):
                                         for e in configs], fontsize=7, rotation=45, ha="right")
     ax.set_title(f"Training step, openwam_sdpa vs stock sdpa — {report.stack_title(result['stack'])}", fontsize=9)
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return report.save_figure(fig, path)
 
 
 def parse_args(argv=None):

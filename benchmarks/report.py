@@ -61,6 +61,16 @@ def log_ratio_axis(ax, label):
     ax.set_ylabel(label)
 
 
+def save_figure(fig, path):
+    """Writes the figure as a PNG and frees it; True (a plot function's answer)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def stack_title(stack):
     return f"{stack['gpu']}, torch {stack['torch']}, cuDNN {stack['cudnn']}, {stack['date'][:10]}"
 

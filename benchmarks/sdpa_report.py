@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from report import DASH, log_ratio_axis, md_table, num, pyplot, ratio, spread, stack_title
+from report import DASH, log_ratio_axis, md_table, num, pyplot, ratio, save_figure, spread, stack_title
 from sdpa_cases import BASE, PAIRED_NAMES, SHARE_LABELS
 from timing import geomean, percentile
 
@@ -322,10 +322,7 @@ def plot_shares(result, path):
         ax.set_xlabel("affected query rows")
     right.legend(fontsize=7)
     fig.suptitle(f"Repair cost by share of affected rows — {stack_title(result['stack'])}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)
 
 
 # -------------------------------------------------------------- memory section
@@ -474,7 +471,4 @@ def plot_methods(result, path):
                        fontsize=7, rotation=45, ha="right")
     ax.set_title(f"SDPA fwd+bwd vs stock cuDNN — {stack_title(result['stack'])}", fontsize=9)
     ax.legend(fontsize=8, ncol=3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)
