@@ -52,8 +52,10 @@ def sdpa(
     if (not _compiling() and type(query) is _Tensor and type(key) is _Tensor
             and type(value) is _Tensor and (attn_mask is None or type(attn_mask) is _Tensor)
             and not _torch_function_mode_on()):
-        # Plain tensors under context_parallel bypassed its sequence sharding.
-        if is_context_parallel_wrapper(F.scaled_dot_product_attention):
+        # Plain tensors under context_parallel bypassed its sequence sharding
+        # (its wrapper then stands in F; unpatched, F holds PyTorch's own).
+        current = F.scaled_dot_product_attention
+        if current is not _PYTORCH_SDPA and is_context_parallel_wrapper(current):
             raise NotImplementedError(CONTEXT_PARALLEL_MESSAGE)
         # Plain tensors: one pybind call into the dispatcher.
         return _C.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
