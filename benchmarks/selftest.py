@@ -147,6 +147,30 @@ def check_block(result, md, out_dir):
     print(f"selftest OK: block rounds, decisions and profiles; wrote {out_dir}")
 
 
+# ------------------------------------------------------------------- bench_host
+
+
+def check_host(result, md, out_dir):
+    from bench_host import BASE
+
+    back = check_files(out_dir, "host", pngs=())
+    assert len(back["cases"]) == len(result["cases"]) >= 1
+    rounds = result["settings"]["rounds"]
+    for c in result["cases"]:
+        for direction in ("forward", "backward"):
+            runs, deltas = c[direction]["runs"], c[direction]["deltas"]
+            assert BASE in runs and f"{BASE}-again" in runs and "openwam" in runs, direction
+            for name, run in runs.items():
+                assert len(run["us"]) == rounds and all(x > 0 for x in run["us"]), (direction, name)
+            for name, d in deltas.items():  # a stored difference is recomputable from the raw times
+                per_round = [a - b for a, b in zip(runs[name]["us"], runs[BASE]["us"])]
+                assert abs(d["median"] - percentile(per_round, 50)) < 1e-9, (direction, name)
+        assert c["op_counts"].keys() == {BASE, "openwam"}
+        assert c["op_counts"]["openwam"].get("openwam::sdpa") == 1  # the profile saw the op
+    assert len(table_rows(md, "### Host time per call")) == len(result["cases"])
+    print(f"selftest OK: host layers, rounds and call counts; wrote {out_dir}")
+
+
 # ------------------------------------------------------------------ bench_model
 
 
@@ -169,5 +193,13 @@ def check_model(result, md, out_dir, args):
         assert all(e["loss_finite_at_end"].values()), name
         for other in ("openwam_sdpa", "sdpa-no-cudnn"):
             assert abs(first[other]["loss"] - first[BASE]["loss"]) <= 1e-2 * abs(first[BASE]["loss"]), (name, first)
-        check_round_ratio(e["runs"], e["ratios"]["openwam_sdpa"]["wall_ms"], "openwam_sdpa", BASE, "wall_ms")
+        for who, run in e["runs"].items():
+            # Each round's wall figure is the median of its steps, each timed on its own.
+            assert len(run["wall_ms"]) == len(run["wall_steps_ms"]) == args.rounds, (name, who)
+            for figure, steps in zip(run["wall_ms"], run["wall_steps_ms"]):
+                assert len(steps) == args.wall_steps and figure == percentile(steps, 50), (name, who)
+            assert len(run.get("gpu_ms", [])) == len(run.get("host_ms", [])) == args.gpu_rounds, (name, who)
+        for other in ("openwam_sdpa", f"{BASE}-again"):
+            check_round_ratio(e["runs"], e["ratios"][other]["wall_ms"], other, BASE, "wall_ms")
+    assert f"the median of those {args.wall_steps} steps" in md, "model.md must say how wall time is measured"
     print(f"selftest OK: {len(configs)} model configurations; wrote {out_dir}")

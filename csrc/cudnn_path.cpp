@@ -62,6 +62,14 @@ struct CudnnSdpaBackward final : public Node {
     if (has_bias) {
       bias_opt = bias.unpack();
     }
+    // A plain backward (no create_graph) records nothing, so the backward op
+    // and the ATen calls inside it skip their autograd kernels (a microsecond
+    // or two of host time). With create_graph the call keeps them: PyTorch's
+    // fallback for ops without a derivative then marks the gradients.
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
+    if (!at::GradMode::is_enabled()) {
+      below_autograd.emplace();
+    }
     auto [dq, dk, dv] = ops::cudnn_sdpa_backward().call(
         grad_out, query.unpack(), key.unpack(), value.unpack(), bias_opt,
         out.unpack(self), logsumexp.unpack(self), philox_seed.unpack(self),
@@ -86,7 +94,7 @@ struct CudnnSdpaBackward final : public Node {
 // The Autograd kernel of openwam::_cudnn_sdpa: runs the op below autograd and,
 // when q, k or v need a gradient, records CudnnSdpaBackward for its output.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cudnn_sdpa_autograd(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    c10::DispatchKeySet keys, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_bias, double dropout_p, bool is_causal,
     std::optional<double> scale, bool compute_log_sumexp, int64_t plan) {
   const bool needs_grad = torch::autograd::compute_requires_grad(query, key, value);
@@ -98,9 +106,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cudnn_sdpa_autograd(
               "openwam::_cudnn_sdpa: attn_bias must not require grad (the cuDNN "
               "path does not differentiate the mask)");
   auto result = [&] {
+    // As ATen's generated autograd kernels do: a redispatch past autograd
+    // (no second dispatch from the top), with the ATen calls inside below
+    // autograd too.
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return ops::cudnn_sdpa().call(query, key, value, attn_bias, dropout_p, is_causal,
-                                  scale, compute_log_sumexp, plan);
+    return ops::cudnn_sdpa().redispatch(keys & c10::after_ADInplaceOrView_keyset, query,
+                                        key, value, attn_bias, dropout_p, is_causal, scale,
+                                        compute_log_sumexp, plan);
   }();
   if (needs_grad) {
     NodePtr node_ptr = Ownership::make<CudnnSdpaBackward>();

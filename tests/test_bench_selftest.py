@@ -45,6 +45,13 @@ def test_block_benchmark_selftest(tmp_path):
     assert len(result["decisions"]) == 3
 
 
+def test_host_benchmark_selftest(tmp_path):
+    selftest("bench_host.py", tmp_path)
+    result = json.loads((tmp_path / "host.json").read_text())
+    assert [c["case"]["name"] for c in result["cases"]] == ["tiny"]
+    assert set(result["cases"][0]["forward"]["deltas"]) == {"openwam", "entry", "selector", "stock-again"}
+
+
 def test_model_benchmark_selftest(tmp_path):
     pytest.importorskip("transformers")
     selftest("bench_model.py", tmp_path)

@@ -12,6 +12,7 @@
 // allocator; both kernels overwrite what they read, so nothing is cleared.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -35,12 +36,17 @@ constexpr const char* kOp = "openwam::repair_dq_rows";
 // Strides of dims 0..2 are multiples of `elements` (size-1 dims, whose
 // stride is never used, excepted) and the data starts `elements * 2`-byte
 // aligned: rows can be moved in chunks of that many 16-bit elements.
-bool rows_aligned(const at::Tensor& t, int64_t elements) {
-  if (reinterpret_cast<uintptr_t>(t.const_data_ptr()) % (elements * 2) != 0) return false;
+bool rows_aligned(const void* data, c10::IntArrayRef sizes, c10::IntArrayRef strides,
+                  int64_t elements) {
+  if (reinterpret_cast<uintptr_t>(data) % (elements * 2) != 0) return false;
   for (int d = 0; d < 3; ++d) {
-    if (t.size(d) > 1 && t.stride(d) % elements != 0) return false;
+    if (sizes[d] > 1 && strides[d] % elements != 0) return false;
   }
   return true;
+}
+
+bool rows_aligned(const at::Tensor& t, int64_t elements) {
+  return rows_aligned(t.const_data_ptr(), t.sizes(), t.strides(), elements);
 }
 
 RowStrides row_strides(const at::Tensor& t) {
@@ -120,10 +126,14 @@ void repair_dq_rows(at::Tensor& grad_query, const at::Tensor& grad_out, const at
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device);
 
   // counts[heads] (padded to 8 bytes), then the row lists [heads, s_q].
+  // Straight from the caching allocator, which orders its reuse on this
+  // stream (and serves graph capture from the graph's pool) as for any
+  // tensor: no tensor is made, for the host time of a call that repairs
+  // nothing.
   const int64_t counts_ints = heads + (heads & 1);
-  at::Tensor workspace =
-      at::empty({counts_ints + 2 * heads * s_q}, query.options().dtype(at::kInt));
-  int32_t* counts = workspace.mutable_data_ptr<int32_t>();
+  const c10::DataPtr workspace = c10::cuda::CUDACachingAllocator::get()->allocate(
+      (counts_ints + 2 * heads * s_q) * sizeof(int32_t));
+  int32_t* counts = static_cast<int32_t*>(workspace.get());
   RowEntry* rows = reinterpret_cast<RowEntry*>(counts + counts_ints);
 
   repair::ScanParams sp{};
@@ -161,14 +171,25 @@ void repair_dq_rows(at::Tensor& grad_query, const at::Tensor& grad_out, const at
   tp.go_st = row_strides(grad_out);
   tp.dq_st = row_strides(grad_query);
   if (bias.defined()) {
-    // Broadcast axes get stride 0; the key axis may be broadcast too.
-    const at::Tensor full = bias.expand({B, H, s_q, s_kv});
-    tp.bias = bits(full);
-    tp.bias_b = full.stride(0);
-    tp.bias_h = full.stride(1);
-    tp.bias_s = full.stride(2);
-    tp.bias_e = full.stride(3);
-    tp.bias_vec = (full.stride(3) == 1 || s_kv <= 1) && rows_aligned(full, 8);
+    // The bias over [B, H, s_q, s_kv]: its broadcast axes (size 1) get
+    // stride 0, the key axis included; what bias.expand() would give,
+    // without making the view.
+    TORCH_CHECK(bias.size(0) == 1 || bias.size(0) == B, kOp, ": attn_bias ", bias.sizes(),
+                " does not broadcast to [", B, ", ", H, ", ", s_q, ", ", s_kv, "]");
+    const int64_t full[4] = {B, H, s_q, s_kv};
+    int64_t strides[4];
+    for (int d = 0; d < 4; ++d) {
+      TORCH_CHECK(bias.size(d) == 1 || bias.size(d) == full[d], kOp, ": attn_bias ",
+                  bias.sizes(), " does not broadcast to [", B, ", ", H, ", ", s_q, ", ", s_kv,
+                  "]");
+      strides[d] = bias.size(d) == 1 ? 0 : bias.stride(d);
+    }
+    tp.bias = bits(bias);
+    tp.bias_b = strides[0];
+    tp.bias_h = strides[1];
+    tp.bias_s = strides[2];
+    tp.bias_e = strides[3];
+    tp.bias_vec = (strides[3] == 1 || s_kv <= 1) && rows_aligned(tp.bias, full, strides, 8);
   }
   tp.counts = counts;
   tp.rows = rows;

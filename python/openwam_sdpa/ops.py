@@ -36,6 +36,17 @@ def sdpa(
     implementation. Nested tensors and torch.nn.attention.bias masks go to
     PyTorch's function as they are, so their own handling applies.
     """
+    if (type(query) is _Tensor and type(key) is _Tensor and type(value) is _Tensor
+            and (attn_mask is None or type(attn_mask) is _Tensor) and not _compiling()
+            and not query.is_nested and not _torch_function_mode_on()):
+        # Plain tensors (the common case, checked first: this runs on every
+        # call): one pybind call into the dispatcher. Under context_parallel
+        # it would bypass the sequence sharding (its wrapper then stands in F;
+        # unpatched, F holds PyTorch's own).
+        current = F.scaled_dot_product_attention
+        if current is not _PYTORCH_SDPA and is_context_parallel_wrapper(current):
+            raise NotImplementedError(CONTEXT_PARALLEL_MESSAGE)
+        return _C.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if attn_mask is not None and type(attn_mask) is not _Tensor and _is_causal_bias(attn_mask):
         # torch.nn.attention.bias masks override F.sdpa through
         # __torch_function__, recognising it as whatever
@@ -49,16 +60,6 @@ def sdpa(
         # builtin; what is no tensor at all gets its TypeError there.
         return _PYTORCH_SDPA(query, key, value, attn_mask, dropout_p, is_causal,
                              scale=scale, enable_gqa=enable_gqa)
-    if (not _compiling() and type(query) is _Tensor and type(key) is _Tensor
-            and type(value) is _Tensor and (attn_mask is None or type(attn_mask) is _Tensor)
-            and not _torch_function_mode_on()):
-        # Plain tensors under context_parallel bypassed its sequence sharding
-        # (its wrapper then stands in F; unpatched, F holds PyTorch's own).
-        current = F.scaled_dot_product_attention
-        if current is not _PYTORCH_SDPA and is_context_parallel_wrapper(current):
-            raise NotImplementedError(CONTEXT_PARALLEL_MESSAGE)
-        # Plain tensors: one pybind call into the dispatcher.
-        return _C.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if not (isinstance(key, _Tensor) and isinstance(value, _Tensor)
             and (attn_mask is None or isinstance(attn_mask, _Tensor))):
         return _PYTORCH_SDPA(query, key, value, attn_mask, dropout_p, is_causal,
