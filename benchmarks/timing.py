@@ -1,6 +1,6 @@
 """How every benchmark here times things (shared by bench_sdpa, bench_block and bench_model).
 
-Five clocks, each for one question:
+Six clocks, each for one question:
   * per_call_ms: a CUDA event pair around each call. What a user's own timer
     sees; it includes the host's launch work whenever a call is shorter than
     its launches (a 0.1 ms forward is), so it can measure the CPU, not the GPU.
@@ -14,6 +14,8 @@ Five clocks, each for one question:
     launches no spin can hold.
   * wall_ms: back-to-back calls, synchronised once at the end: what a
     training loop feels, host and device together.
+  * synced_steps_ms: whole training steps timed one by one, synchronised
+    before and after each, for a median of many (bench_model's wall time).
 
 Drift of clocks and temperature over a run moves separate timings minutes
 apart by a few percent (the A/A control read up to 1.04x unpaired), so
@@ -28,7 +30,9 @@ lets the --selftest runs exercise this code on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import math
 import time
 
@@ -236,6 +240,59 @@ def step_figures(step, wall_steps):
     wall = wall_ms(step, wall_steps)
     host, covered = host_ms(step, spin_ms=max(SPIN_MIN_MS, 1.5 * wall))
     return {"wall_ms": wall, "host_ms": host, "covered": covered, "gpu_ms": busy_ms(step)}
+
+
+def synced_steps_ms(step, steps, warmup=1):
+    """Wall time of each of `steps` step() calls, each bracketed by torch.cuda.synchronize(),
+    after `warmup` untimed calls; Python's garbage collector runs once before the first timed
+    call and is then held off until the last has returned.
+
+    For whole training steps, compared by the median of these samples. Why a sync around
+    every step rather than one around a window of back-to-back steps: a host-bound step (the
+    GPU waiting for launches, as small models are) leaves only its last few kernels to wait
+    for at the sync, so the sync adds little to what is measured, and every step becomes a
+    sample of its own: the median drops the steps that an OS hiccup, an allocator growth or
+    a page fault hit, where a window's mean spreads them over the ratio (windows of 3 steps
+    read an A/A ratio from 0.82x to 1.18x). Back to back, a step's host work would overlap
+    the previous step's GPU tail and hide host overhead behind device time; synchronised,
+    extra host time shows in full, the conservative reading for an op that adds host work. (Training loops
+    that log loss.item() every step synchronise every step too.) The warm-up call absorbs
+    what the code timed before left behind (caches, allocator blocks cut for other tensors,
+    a profiler's teardown); the collector held off keeps a collection of someone else's
+    garbage out of the samples (inside frozen_heap() that collect is cheap).
+    """
+    for _ in range(warmup):
+        step()
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    samples = []
+    try:
+        for _ in range(steps):
+            if cuda():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            if cuda():
+                torch.cuda.synchronize()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        if was_enabled:
+            gc.enable()
+    return samples
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """Collect, then gc.freeze() every object alive (models, optimizers, imported modules)
+    until exit: a full gc.collect() then visits only what was made since, milliseconds
+    instead of the 0.1-0.3 s that a heap of some 400k objects takes."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def peak_mib(fn):
