@@ -31,6 +31,8 @@ constexpr int kScanRowsPerThread = 4;
 // A tile with at most this many rows is "narrow": all 4 warps share its 16
 // rows and split each key block four ways instead of idling 3 warps.
 constexpr int kNarrowRows = 16;
+// The widest compiled head_dim (head_dim_width).
+constexpr int kMaxWidth = 256;
 // Row pitch of the bias tile in shared memory, in elements: 8 more than a
 // key block, so that the 8 rows a warp reads at once sit 4 banks apart.
 constexpr int kBiasPitch = kKeyBlock + 8;
@@ -143,7 +145,8 @@ OPENWAM_HD int head_dim_width(int64_t head_dim) {
 // staged through the last stage on their way into registers (head_dim <=
 // 128; the prologue fills the other stages meanwhile).
 struct TileSmem {
-  static constexpr int kHeaderBytes = 2048;
+  // 1.8 KB of work list and row data, 1 KB for the key mean (fp16 tiles).
+  static constexpr int kHeaderBytes = 3072;
   int width;      // compiled head_dim width
   bool has_bias;
   int stages;     // 2 or 3

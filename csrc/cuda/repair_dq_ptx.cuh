@@ -83,6 +83,8 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
 // conversions and in the mma instruction. Raw uint16_t everywhere, so none of
 // the __CUDA_NO_HALF*_ macros that PyTorch's build defines get in the way.
 struct Bf16 {
+  // See Fp16::kCenterKeys: bf16 keeps the plain dS K.
+  static constexpr bool kCenterKeys = false;
   __device__ __forceinline__ static float to_float(uint16_t x) {
     return __uint_as_float(static_cast<uint32_t>(x) << 16);
   }
@@ -121,6 +123,10 @@ struct Bf16 {
 };
 
 struct Fp16 {
+  // dQ as if the keys were centred (repair_dq_tile.cuh, "Centred keys"):
+  // fp16's own rounding is 8x finer than bf16's, so the amplified dS errors
+  // stand out against fp16 stock kernels.
+  static constexpr bool kCenterKeys = true;
   __device__ __forceinline__ static float to_float(uint16_t x) {
     float r;
     asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }\n" : "=f"(r) : "h"(x));

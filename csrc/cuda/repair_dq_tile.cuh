@@ -22,6 +22,21 @@
 // Registers: for head_dim <= 128 the 16 rows of Q and dO of a warp stay in
 // registers for the whole tile (staged once through the last pipeline stage);
 // at 256 they are read from shared memory at every k-step.
+//
+// Centred keys (fp16, Elt::kCenterKeys): sum_j dS_ij = 0 in exact
+// arithmetic, so dQ_i = scale * sum_j dS_ij (k_j - m) for any vector m. The
+// rows repaired here have logits far below zero because every key shares a
+// large component (a "massive activation"; 30 / sqrt(D) per element in
+// openwam_sdpa.adversarial, against a spread of 0.5), and the computed dS do
+// not sum to 0: P is recomputed with S ~ -1000 accumulated in fp32, so it is
+// not exactly the P behind cuDNN's lse and o; delta comes from the fp16 o;
+// dS is rounded to fp16 for the mma. With plain dS K that sum multiplies the
+// shared component; with m = the mean of the first key block it multiplies
+// only k_j - m. The mma still takes k_j (no extra registers in the key loop):
+// the tile subtracts m * sum_j dS_ij (the dS as rounded for the mma) at the
+// end. Emulated on such rows (test_repair_accuracy.cpp, head_dim 96): worst
+// row error 2.9 -> 0.67 fp16 eps x the row's max |dQ| (0.5 is the rounding
+// of dQ itself). bf16 keeps the plain product.
 #pragma once
 
 #include <cmath>
@@ -66,8 +81,8 @@ struct TileParams {
   bool dq_pair;      // dQ element pairs 4-byte aligned: 32-bit stores
 };
 
-// The shared-memory header: the block's work list and the current tile's
-// rows (TileSmem::kHeaderBytes).
+// The shared-memory header: the block's work list, the current tile's rows
+// and its key mean (TileSmem::kHeaderBytes).
 struct TileHeader {
   int* items;    // [kTileThreads]: index k of item first + k * grid
   int* counts;   // [kTileThreads]: the item's head count
@@ -75,6 +90,7 @@ struct TileHeader {
   float* lse2;   // [kTileRows]
   float* delta;  // [kTileRows]
   int* warp_sums;  // [kTileThreads / 32]
+  float* key_mean;  // [kMaxWidth]: m of the centred keys (fp16 only)
 
   __device__ __forceinline__ explicit TileHeader(unsigned char* smem)
       : items(reinterpret_cast<int*>(smem)),
@@ -82,11 +98,30 @@ struct TileHeader {
         row(counts + kTileThreads),
         lse2(reinterpret_cast<float*>(row + kTileRows)),
         delta(lse2 + kTileRows),
-        warp_sums(reinterpret_cast<int*>(delta + kTileRows)) {}
+        warp_sums(reinterpret_cast<int*>(delta + kTileRows)),
+        key_mean(reinterpret_cast<float*>(warp_sums + kTileThreads / 32)) {}
 };
-static_assert((2 * kTileThreads + 3 * kTileRows + kTileThreads / 32) * 4 <=
+static_assert((2 * kTileThreads + 3 * kTileRows + kTileThreads / 32 + kMaxWidth) * 4 <=
                   TileSmem::kHeaderBytes,
               "the header outgrew its bytes");
+
+// m of the centred keys: the mean of the first key block's keys (zeros past
+// s_kv excluded), one column per thread, from the block's K tile at `k_tile`.
+template <class Elt, int kWidth>
+__device__ __forceinline__ void mean_of_keys(float* key_mean, const unsigned char* k_tile,
+                                             int s_kv) {
+  constexpr int kChunks = kWidth / 8;
+  const int n = cmin(s_kv, kKeyBlock);
+  for (int d = threadIdx.x; d < kWidth; d += kTileThreads) {
+    float sum = 0.0f;
+    for (int key = 0; key < n; ++key) {
+      const uint16_t x = *reinterpret_cast<const uint16_t*>(
+          k_tile + tile_offset<kChunks>(key, d / 8) + (d % 8) * 2);
+      sum += Elt::to_float(x);
+    }
+    key_mean[d] = sum / static_cast<float>(n);
+  }
+}
 
 // Recompute and write the dQ rows of tile `tile` of head `head` (`count`
 // rows listed for the head). All threads of the block call it.
@@ -178,8 +213,19 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
         o[i] = p.vec ? *reinterpret_cast<const uint4*>(src) : load8_scalar(src);
       }
     }
-    wait_all_but_newest();  // Q and dO landed
+    if constexpr (Elt::kCenterKeys) {  // Q, dO and key block 0 (for its mean) landed
+      if (layout.stages == 3) {
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+    } else {
+      wait_all_but_newest();  // Q and dO landed
+    }
     __syncthreads();
+    if constexpr (Elt::kCenterKeys) {  // read after the key loop's barriers
+      mean_of_keys<Elt, kWidth>(hdr.key_mean, smem + layout.stage(0), p.s_kv);
+    }
     float dot = 0.0f;
 #pragma unroll
     for (int i = 0; i < kHalf; ++i) {
@@ -227,6 +273,7 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
   float acc[Shape::kDTiles][4];
 #pragma unroll
   for (int j = 0; j < Shape::kDTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  float ds_sum[2] = {0.0f, 0.0f};  // Elt::kCenterKeys: sum_j dS of the two rows
 
   int use = 0;                   // the stage of block kb
   int fill = layout.stages - 1;  // the stage of block kb + stages - 1
@@ -243,14 +290,14 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
                    : nullptr;
       const int key_base = kb * kKeyBlock;
       if (narrow) {
-        warp_key_block<Elt, kWidth, 2>(acc, qf, dof, q_tile_s, do_tile_s, stage, bias_tile,
+        warp_key_block<Elt, kWidth, 2>(acc, ds_sum, qf, dof, q_tile_s, do_tile_s, stage, bias_tile,
                                        layout.kv_tile_bytes(), 0, warp * 16, key_base,
                                        p.scale_log2, wr, lc, lane);
       } else {
 #pragma unroll
         for (int part = 0; part < kKeyBlock / (8 * Shape::kWideNT); ++part) {
           warp_key_block<Elt, kWidth, Shape::kWideNT>(
-              acc, qf, dof, q_tile_s, do_tile_s, stage, bias_tile, layout.kv_tile_bytes(), row0,
+              acc, ds_sum, qf, dof, q_tile_s, do_tile_s, stage, bias_tile, layout.kv_tile_bytes(), row0,
               part * 8 * Shape::kWideNT, key_base, p.scale_log2, wr, lc, lane);
         }
       }
@@ -260,6 +307,23 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
     fill = fill + 1 == layout.stages ? 0 : fill + 1;
   }
   cp_async_wait<0>();
+
+  if constexpr (Elt::kCenterKeys) {  // acc -= m * sum_j dS (per warp: the narrow sum is linear)
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      ds_sum[rr] += __shfl_xor_sync(0xffffffffu, ds_sum[rr], 1);
+      ds_sum[rr] += __shfl_xor_sync(0xffffffffu, ds_sum[rr], 2);
+    }
+#pragma unroll
+    for (int j = 0; j < Shape::kDTiles; ++j) {
+      const int col = 8 * j + frag_col(lane, 0);
+      const float m0 = hdr.key_mean[col], m1 = hdr.key_mean[col + 1];
+      acc[j][0] -= m0 * ds_sum[0];
+      acc[j][1] -= m1 * ds_sum[0];
+      acc[j][2] -= m0 * ds_sum[1];
+      acc[j][3] -= m1 * ds_sum[1];
+    }
+  }
 
   if (narrow) {  // sum the 4 warps' partial dQ (key quarters) into warp 0
     float4* partial = reinterpret_cast<float4*>(smem + layout.stage(0));

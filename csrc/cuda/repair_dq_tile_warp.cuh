@@ -102,10 +102,12 @@ __device__ __forceinline__ void rows_times_keys(
 }
 
 // One warp, one key block, keys key0 .. key0 + 8 kNT - 1 of it:
-// dq_acc += dS K for the warp's 16 rows (row0..).
+// dq_acc += dS K for the warp's 16 rows (row0..); with Elt::kCenterKeys
+// also ds_sum[rr] += the row's dS as rounded for the mma (this lane's
+// columns; the tile sums the quad), for the centring of repair_tile.
 template <class Elt, int kWidth, int kNT>
 __device__ __forceinline__ void warp_key_block(
-    float (&dq_acc)[TileShape<kWidth>::kDTiles][4],
+    float (&dq_acc)[TileShape<kWidth>::kDTiles][4], float (&ds_sum)[2],
     const uint32_t (&qf)[TileShape<kWidth>::kFrags][4],
     const uint32_t (&dof)[TileShape<kWidth>::kFrags][4], uint32_t q_tile, uint32_t do_tile,
     uint32_t stage, const uint16_t* bias_tile, int kv_tile_bytes, int row0, int key0,
@@ -160,6 +162,13 @@ __device__ __forceinline__ void warp_key_block(
     a[1] = Elt::pack(ds[2 * t][2], ds[2 * t][3]);
     a[2] = Elt::pack(ds[2 * t + 1][0], ds[2 * t + 1][1]);
     a[3] = Elt::pack(ds[2 * t + 1][2], ds[2 * t + 1][3]);
+    if constexpr (Elt::kCenterKeys) {  // a[0], a[2]: row lane / 4; a[1], a[3]: 8 below
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        ds_sum[i & 1] += Elt::to_float(static_cast<uint16_t>(a[i])) +
+                         Elt::to_float(static_cast<uint16_t>(a[i] >> 16));
+      }
+    }
 #pragma unroll
     for (int jd = 0; jd < Shape::kDTiles / 2; ++jd) {
       uint32_t b[4];

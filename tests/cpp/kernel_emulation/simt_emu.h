@@ -423,6 +423,7 @@ inline uint16_t float_to_f16(float f) {
 }
 
 struct Bf16 {
+  static constexpr bool kCenterKeys = false;
   static float to_float(uint16_t x) { return bf16_to_float(x); }
   static uint16_t from_float(float x) { return float_to_bf16(x); }
   static uint32_t pack(float lo, float hi) {
@@ -434,6 +435,7 @@ struct Bf16 {
 };
 
 struct Fp16 {
+  static constexpr bool kCenterKeys = true;
   static float to_float(uint16_t x) { return f16_to_float(x); }
   static uint16_t from_float(float x) { return float_to_f16(x); }
   static uint32_t pack(float lo, float hi) {
