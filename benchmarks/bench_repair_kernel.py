@@ -14,7 +14,8 @@ kernels (median of the repeats). The output and logsumexp the repair reads
 come from stock cuDNN's forward. Printed per case: affected rows, repair ms,
 the bytes it must move (logsumexp; Q, dO, O and dQ of each affected row; K
 and V once per head with an affected row) over its time, the useful FLOPs
-(3 GEMMs of 2 * rows * s_kv * head_dim) over its time, and
+(3 GEMMs of 2 * rows * s_kv * head_dim) over its time, each kernel's own
+device time (one profiled call), and
 1 + repair / stock fwd+bwd: the ratio a paired fwd+bwd benchmark of the
 default plan should show (issue 12's targets: <= 1.03 none, <= 1.05 one
 row per head, <= 1.25 at 10%, <= 1.6 every row). Runs in about a minute
@@ -78,6 +79,24 @@ def stock_times(q, k, v, go, bias, repeats):
     return both["median_ms"], back["median_ms"]
 
 
+def kernel_us(fn):
+    """{kernel name: device µs} of one fn() call, from the profiler: where the time of a
+    repair goes (its two kernels; with no affected row, their fixed cost)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = "scan" if "scan" in e.name else "tile" if "tile" in e.name else e.name[:40]
+            out[name] = out.get(name, 0.0) + e.device_time_total
+    return out
+
+
 def measure_shape(B, H, s_q, s_kv, mask, D, repeats, shares):
     from openwam_sdpa.adversarial import adversarial_inputs, affected_rows
 
@@ -107,6 +126,7 @@ def measure_shape(B, H, s_q, s_kv, mask, D, repeats, shares):
             torch.ops.openwam._repair_dq_(dq, go, q, k, v, out, lse, bias, False, scale)
 
         t = timing.device_ms(repair, warmup=3, repeats=repeats)["median_ms"]
+        kernels = kernel_us(lambda: repair(None))
         elt = q.element_size()
         bytes_moved = (B * H * s_q * 4 + n_rows * 4 * D * elt + heads_hit * 2 * s_kv * D * elt
                        + (n_rows * s_kv * elt if bias is not None else 0))
@@ -115,7 +135,7 @@ def measure_shape(B, H, s_q, s_kv, mask, D, repeats, shares):
             "shape": f"{B}x{H}x{s_q}x{s_kv}", "mask": mask, "head_dim": D, "share": str(share),
             "rows": n_rows, "repair_ms": t, "GB_s": bytes_moved / t / 1e6,
             "TFLOP_s": flops / t / 1e9, "stock_bwd_ms": stock_b, "stock_fwd_bwd_ms": stock_fb,
-            "est_ratio": 1.0 + t / stock_fb,
+            "est_ratio": 1.0 + t / stock_fb, "kernels_us": kernels,
         })
     return rows
 
@@ -141,13 +161,14 @@ def main(argv=None):
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"cuDNN {torch.backends.cudnn.version()}, bf16")
     head = (f"{'shape':>16} {'mask':>4} {'D':>3} {'share':>12} {'rows':>8} {'repair ms':>9} "
-            f"{'GB/s':>7} {'TFLOP/s':>7} {'bwd ms':>7} {'fwd+bwd':>7} {'est':>6}")
+            f"{'GB/s':>7} {'TFLOP/s':>7} {'bwd ms':>7} {'fwd+bwd':>7} {'est':>6}  kernels (µs, profiler)")
     print(head)
     print("-" * len(head))
     for r in results:
         print(f"{r['shape']:>16} {r['mask']:>4} {r['head_dim']:>3} {r['share']:>12} "
               f"{r['rows']:>8} {r['repair_ms']:>9.4f} {r['GB_s']:>7.0f} {r['TFLOP_s']:>7.1f} "
-              f"{r['stock_bwd_ms']:>7.3f} {r['stock_fwd_bwd_ms']:>7.3f} {r['est_ratio']:>6.3f}")
+              f"{r['stock_bwd_ms']:>7.3f} {r['stock_fwd_bwd_ms']:>7.3f} {r['est_ratio']:>6.3f}  "
+              + " ".join(f"{k} {v:.1f}" for k, v in r["kernels_us"].items()))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "repair_kernel.json"), "w") as f:
