@@ -19,7 +19,7 @@ The backward is each output's autograd node called directly (grad mode off, as t
 calls it). Then one profiled forward+backward of stock and of openwam: how many times each ATen op and
 CUDA runtime call ran.
 
-Run (from the repository root, on a GPU; about 40 seconds, estimated):
+Run (from the repository root, on a GPU; 20 seconds on an H200):
     python benchmarks/bench_host.py --out $OUT/host
     python benchmarks/bench_host.py --selftest --out /tmp/host   # CPU, tiny shapes, checks the outputs
 Writes host.json and host.md under --out.
