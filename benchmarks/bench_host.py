@@ -16,8 +16,8 @@ for it), in paired rounds with the order rotating:
   selector      torch._fused_sdp_choice alone (stock and openwam each ask it once)
   stock-again   stock measured again: the A/A control
 The backward is each output's autograd node called directly (grad mode off, as the engine
-calls it). Then one profiled forward+backward of stock and of openwam: how many times each ATen op and
-CUDA runtime call ran.
+calls it). Then torch.profiler over forward+backward steps of stock and of openwam: calls and self CPU
+time per step of each ATen op and CUDA runtime call (where the difference goes).
 
 Run (from the repository root, on a GPU; 20 seconds on an H200):
     python benchmarks/bench_host.py --out $OUT/host
@@ -149,17 +149,20 @@ def host_us(layer, warmup, repeats):
     return {"us": timing.percentile(times, 50), "covered": covered}
 
 
-def op_counts(step):
-    """{op or runtime call: calls} over one step() (profiled after one untimed step)."""
+def op_profile(step, steps):
+    """{op or runtime call: [calls, self CPU µs]} per step(), averaged over `steps` profiled
+    steps (after one untimed step). The profiler's own cost is in every figure alike."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if timing.cuda() else [])
     step()
     with profile(activities=activities) as prof:
-        step()
+        for _ in range(steps):
+            step()
         if timing.cuda():
             torch.cuda.synchronize()
-    return {e.key: e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU}
+    return {e.key: [e.count / steps, e.self_cpu_time_total / steps] for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CPU}
 
 
 def timed(group, args):
@@ -174,11 +177,11 @@ def timed(group, args):
 
 def run_case(ow, case, device, args):
     fwd, bwd, (q, k, v, mask, grad) = layers(ow, case, device)
-    counts = {}
-    for name, fn in ((BASE, F.scaled_dot_product_attention), ("openwam", ow.sdpa)):
-        counts[name] = op_counts(lambda: fn(q, k, v, attn_mask=mask).backward(grad))
+    profiles = {}
+    for name, fn in 2 * ((BASE, F.scaled_dot_product_attention), ("openwam", ow.sdpa)):  # the 2nd of each kept
+        profiles[name] = op_profile(lambda: fn(q, k, v, attn_mask=mask).backward(grad), args.profile_steps)
     return {"case": vars(case), "decision": {k_: str(v_) for k_, v_ in ow.explain(q, k, v, attn_mask=mask).items()},
-            "forward": timed(fwd, args), "backward": timed(bwd, args), "op_counts": counts}
+            "forward": timed(fwd, args), "backward": timed(bwd, args), "op_profiles": profiles}
 
 
 def run(args):
@@ -208,12 +211,13 @@ def delta_cell(d):
     return "—" if d is None else f"{d['median']:+.1f} [{d['min']:+.1f}–{d['max']:+.1f}]"
 
 
-def differing_counts(counts, top):
-    """Ops whose call counts differ between stock and openwam, most different first."""
-    names = set(counts[BASE]) | set(counts["openwam"])
-    rows = [(op, counts[BASE].get(op, 0), counts["openwam"].get(op, 0)) for op in names]
-    rows = [r for r in rows if r[1] != r[2]]
-    return sorted(rows, key=lambda r: (-abs(r[2] - r[1]), r[0]))[:top]
+def profile_rows(profiles, top):
+    """The `top` ops and runtime calls whose self CPU time per step differs most between stock
+    and openwam: [op, stock calls, stock µs, openwam calls, openwam µs]."""
+    names = set(profiles[BASE]) | set(profiles["openwam"])
+    rows = [[op, *profiles[BASE].get(op, [0, 0.0]), *profiles["openwam"].get(op, [0, 0.0])] for op in names]
+    rows.sort(key=lambda r: (-abs(r[4] - r[2]), r[0]))
+    return [[r[0], f"{r[1]:g}", f"{r[2]:.1f}", f"{r[3]:g}", f"{r[4]:.1f}"] for r in rows[:top]]
 
 
 def markdown(result):
@@ -250,12 +254,13 @@ def markdown(result):
               f"backward worst {worst['backward']:+.1f} µs; A/A worst |{aa:.1f}| µs."]
     if covered:
         parts.append(f"- The spin held the GPU through every timed call in {sum(covered)}/{len(covered)} timings.")
-    parts += ["", "**Calls per forward+backward** (one profiled `out.backward()` step; ATen ops and CUDA runtime "
-              "calls whose counts differ between stock and openwam):", ""]
+    parts += ["", f"**Host time per op** (torch.profiler over {s['profile_steps']} forward+backward steps through "
+              "`out.backward()`, per step: calls and self CPU µs of each ATen op and CUDA runtime call; the rows "
+              "where stock and openwam differ most; the profiler's own cost is in every figure alike):", ""]
     for c in result["cases"]:
-        rows = differing_counts(c["op_counts"], s["top_ops"])
+        rows = profile_rows(c["op_profiles"], s["top_ops"])
         parts += [f"*{describe(c['case'])}*", "",
-                  report.md_table(["op", "stock", "openwam"], [list(r) for r in rows]) if rows else "(none)", ""]
+                  report.md_table(["op", "stock calls", "stock µs", "openwam calls", "openwam µs"], rows), ""]
     return "\n".join(parts)
 
 
@@ -265,13 +270,14 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=8, help="paired rounds (default 8)")
     p.add_argument("--repeats", type=int, default=40, help="timed calls per layer and round (default 40)")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls before each timing (default 5)")
-    p.add_argument("--top-ops", type=int, default=20, help="rows per call-count table")
+    p.add_argument("--top-ops", type=int, default=15, help="rows per host-time-per-op table")
+    p.add_argument("--profile-steps", type=int, default=10, help="profiled steps per op table (default 10)")
     p.add_argument("--selftest", action="store_true", help="tiny shapes on the CPU, then check the outputs")
     args = p.parse_args(argv)
     if args.selftest:
-        args.rounds, args.repeats, args.warmup = 2, 3, 1
-    if min(args.rounds, args.repeats, args.top_ops) < 1 or args.warmup < 0:
-        p.error("--rounds, --repeats and --top-ops must be >= 1, --warmup >= 0")
+        args.rounds, args.repeats, args.warmup, args.profile_steps = 2, 3, 1, 2
+    if min(args.rounds, args.repeats, args.top_ops, args.profile_steps) < 1 or args.warmup < 0:
+        p.error("--rounds, --repeats, --top-ops and --profile-steps must be >= 1, --warmup >= 0")
     return args
 
 

@@ -165,10 +165,12 @@ def check_host(result, md, out_dir):
             for name, d in deltas.items():  # a stored difference is recomputable from the raw times
                 per_round = [a - b for a, b in zip(runs[name]["us"], runs[BASE]["us"])]
                 assert abs(d["median"] - percentile(per_round, 50)) < 1e-9, (direction, name)
-        assert c["op_counts"].keys() == {BASE, "openwam"}
-        assert c["op_counts"]["openwam"].get("openwam::sdpa") == 1  # the profile saw the op
+        assert c["op_profiles"].keys() == {BASE, "openwam"}
+        calls, self_us = c["op_profiles"]["openwam"]["openwam::sdpa"]  # the profile saw the op
+        assert calls == 1 and self_us > 0
     assert len(table_rows(md, "### Host time per call")) == len(result["cases"])
-    print(f"selftest OK: host layers, rounds and call counts; wrote {out_dir}")
+    assert len(table_rows(md, "**Host time per op**")) >= 1
+    print(f"selftest OK: host layers, rounds and op profiles; wrote {out_dir}")
 
 
 # ------------------------------------------------------------------ bench_model

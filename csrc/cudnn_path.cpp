@@ -94,7 +94,8 @@ struct CudnnSdpaBackward final : public Node {
 // The Autograd kernel of openwam::_cudnn_sdpa: runs the op below autograd and,
 // when q, k or v need a gradient, records CudnnSdpaBackward for its output.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cudnn_sdpa_autograd(
-    c10::DispatchKeySet keys, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    c10::DispatchKeySet keys, const at::Tensor& query, const at::Tensor& key,
+    const at::Tensor& value,
     const std::optional<at::Tensor>& attn_bias, double dropout_p, bool is_causal,
     std::optional<double> scale, bool compute_log_sumexp, int64_t plan) {
   const bool needs_grad = torch::autograd::compute_requires_grad(query, key, value);

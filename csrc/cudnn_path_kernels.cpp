@@ -100,13 +100,16 @@ PaddedQuery pad_query_row(const at::Tensor& query, const at::Tensor& grad_out,
   return p;
 }
 
-// `t` with no elements. A tensor the engine just made is resized in place
-// (metadata only): this runs twice on every forward, and two allocations
-// through the dispatcher cost about a microsecond of host time.
-void make_empty(at::Tensor& t) {
-  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  if (t.use_count() == 1 && !t.is_view() && impl->allow_tensor_metadata_change()) {
-    impl->set_sizes_contiguous({0});
+// `t` with no elements (int64 on `device` where the engine gave none). A
+// tensor the engine just made is resized in place (metadata only): this runs
+// twice on every forward, and two allocations through the dispatcher cost
+// about a microsecond of host time.
+void make_empty(at::Tensor& t, const c10::Device& device) {
+  if (!t.defined()) {
+    t = at::empty({0}, at::TensorOptions().dtype(at::kLong).device(device));
+  } else if (t.use_count() == 1 && !t.is_view() &&
+             t.unsafeGetTensorImpl()->allow_tensor_metadata_change()) {
+    t.unsafeGetTensorImpl()->set_sizes_contiguous({0});
   } else {
     t = at::empty({0}, t.options());
   }
@@ -164,8 +167,8 @@ Tensors4 forward_with_plan(const at::Tensor& query, const at::Tensor& key,
     // Without dropout the philox state is unused, and cuDNN leaves it
     // uninitialised: emptied, the op's outputs are deterministic (opcheck
     // compares them).
-    make_empty(f.philox_seed);
-    make_empty(f.philox_offset);
+    make_empty(f.philox_seed, query.device());
+    make_empty(f.philox_offset, query.device());
   }
   return {f.out, f.logsumexp, f.philox_seed, f.philox_offset};
 }

@@ -290,15 +290,15 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
                    : nullptr;
       const int key_base = kb * kKeyBlock;
       if (narrow) {
-        warp_key_block<Elt, kWidth, 2>(acc, ds_sum, qf, dof, q_tile_s, do_tile_s, stage, bias_tile,
-                                       layout.kv_tile_bytes(), 0, warp * 16, key_base,
-                                       p.scale_log2, wr, lc, lane);
+        warp_key_block<Elt, kWidth, 2>(acc, ds_sum, qf, dof, q_tile_s, do_tile_s, stage,
+                                       bias_tile, layout.kv_tile_bytes(), 0, warp * 16,
+                                       key_base, p.scale_log2, wr, lc, lane);
       } else {
 #pragma unroll
         for (int part = 0; part < kKeyBlock / (8 * Shape::kWideNT); ++part) {
           warp_key_block<Elt, kWidth, Shape::kWideNT>(
-              acc, ds_sum, qf, dof, q_tile_s, do_tile_s, stage, bias_tile, layout.kv_tile_bytes(), row0,
-              part * 8 * Shape::kWideNT, key_base, p.scale_log2, wr, lc, lane);
+              acc, ds_sum, qf, dof, q_tile_s, do_tile_s, stage, bias_tile, layout.kv_tile_bytes(),
+              row0, part * 8 * Shape::kWideNT, key_base, p.scale_log2, wr, lc, lane);
         }
       }
     }
