@@ -174,8 +174,6 @@ void repair_dq_rows(at::Tensor& grad_query, const at::Tensor& grad_out, const at
     // The bias over [B, H, s_q, s_kv]: its broadcast axes (size 1) get
     // stride 0, the key axis included; what bias.expand() would give,
     // without making the view.
-    TORCH_CHECK(bias.size(0) == 1 || bias.size(0) == B, kOp, ": attn_bias ", bias.sizes(),
-                " does not broadcast to [", B, ", ", H, ", ", s_q, ", ", s_kv, "]");
     const int64_t full[4] = {B, H, s_q, s_kv};
     int64_t strides[4];
     for (int d = 0; d < 4; ++d) {
