@@ -189,20 +189,6 @@ def op_profile(step, top):
             "ops": {e.key: [e.count, e.self_cpu_time_total] for e in rows[:top]}}
 
 
-def step_figures(step, args):
-    """timing.step_figures, with the host time the median of --host-steps spin-held steps: one
-    step's host time swings by 20% from step to step on the device machine, more than the
-    few microseconds per call being measured."""
-    figures = timing.step_figures(step, args.wall_steps)
-    spin_ms = max(timing.SPIN_MIN_MS, 1.5 * figures["wall_ms"])
-    held = [timing.host_ms(step, spin_ms) for _ in range(args.host_steps - 1)]
-    hosts = [figures["host_ms"]] + [ms for ms, _ in held]
-    covered = [figures["covered"]] + [c for _, c in held]
-    figures["host_ms"] = timing.percentile(hosts, 50)
-    figures["covered"] = None if None in covered else all(covered)
-    return figures
-
-
 def run(args):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = SELFTEST if args.selftest else OPENWAM
@@ -228,7 +214,8 @@ def run(args):
         with c.context():
             for _ in range(args.warmup):
                 step()
-    runs = timing.paired_rounds(everyone, lambda c: step_figures(step, args), args.rounds)
+    figures = lambda c: timing.step_figures(step, args.wall_steps, args.host_steps)  # noqa: E731
+    runs = timing.paired_rounds(everyone, figures, args.rounds)
     result["runs"] = runs
     result["ratios"] = {c.name: {k: timing.round_ratios(runs, c.name, BASE, k)
                                  for k in ("gpu_ms", "host_ms", "wall_ms")} for c in everyone[1:]}

@@ -233,13 +233,16 @@ def wall_ms(step, n):
     return (time.perf_counter() - t0) * 1e3 / n
 
 
-def step_figures(step, wall_steps):
+def step_figures(step, wall_steps, host_steps=1):
     """The figures of a training step: wall_ms (mean of wall_steps back-to-back steps), host_ms
-    (one step, GPU held by a spin longer than a whole step) with its covered flag, and gpu_ms
-    (busy_ms of one step)."""
+    (the median over host_steps steps, each with the GPU held by a spin longer than a whole
+    step; one step's host time can swing by 20% from the next) with its covered flag (all
+    of them covered), and gpu_ms (busy_ms of one step)."""
     wall = wall_ms(step, wall_steps)
-    host, covered = host_ms(step, spin_ms=max(SPIN_MIN_MS, 1.5 * wall))
-    return {"wall_ms": wall, "host_ms": host, "covered": covered, "gpu_ms": busy_ms(step)}
+    held = [host_ms(step, spin_ms=max(SPIN_MIN_MS, 1.5 * wall)) for _ in range(host_steps)]
+    covered = [c for _, c in held]
+    return {"wall_ms": wall, "host_ms": percentile([ms for ms, _ in held], 50),
+            "covered": None if None in covered else all(covered), "gpu_ms": busy_ms(step)}
 
 
 def synced_steps_ms(step, steps, warmup=1):
