@@ -32,7 +32,7 @@ import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -124,29 +124,9 @@ def layers(ow, case, device):
 
 
 def host_us(layer, warmup, repeats):
-    """Median host µs of layer.call() while a spin kernel holds the GPU (so no call waits
-    for it), every result kept until the timing ends (so no call pays for freeing the last
-    one's output and autograd graph)."""
+    """timing.call_host_us of one layer, in its grad mode."""
     with torch.set_grad_enabled(layer.grad_mode):
-        t0 = time.perf_counter()
-        for _ in range(warmup):
-            layer.call()
-        warm_ms = (time.perf_counter() - t0) * 1e3 / max(warmup, 1)
-        kept, times = [], []
-        if timing.cuda():
-            torch.cuda.synchronize()
-            timing.spin(min(timing.SPIN_MAX_MS, max(timing.SPIN_MIN_MS, timing.SPIN_FACTOR * warm_ms * repeats)))
-            mark = torch.cuda.Event()
-            mark.record()
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            kept.append(layer.call())
-            times.append((time.perf_counter() - t0) * 1e6)
-        covered = (not mark.query()) if timing.cuda() else None
-        if timing.cuda():
-            torch.cuda.synchronize()
-        del kept
-    return {"us": timing.percentile(times, 50), "covered": covered}
+        return timing.call_host_us(layer.call, warmup, repeats)
 
 
 def op_profile(step, steps):

@@ -1,6 +1,6 @@
-"""How every benchmark here times things (shared by bench_sdpa, bench_block and bench_model).
+"""How every benchmark here times things (bench_sdpa, bench_host, bench_block, bench_model).
 
-Six clocks, each for one question:
+Seven clocks, each for one question:
   * per_call_ms: a CUDA event pair around each call. What a user's own timer
     sees; it includes the host's launch work whenever a call is shorter than
     its launches (a 0.1 ms forward is), so it can measure the CPU, not the GPU.
@@ -14,6 +14,8 @@ Six clocks, each for one question:
     launches no spin can hold.
   * wall_ms: back-to-back calls, synchronised once at the end: what a
     training loop feels, host and device together.
+  * call_host_us: the host time of single calls while a spin holds the
+    GPU, their results kept (bench_host's layers).
   * synced_steps_ms: whole training steps timed one by one, synchronised
     before and after each, for a median of many (bench_model's wall time).
 
@@ -119,6 +121,15 @@ def spin(ms):
     torch.cuda._sleep(int(ms * _cycles_per_ms))
 
 
+def hold_gpu(warm_ms, repeats):
+    """Synchronise, then spin long enough that `repeats` calls of warm_ms host time each are
+    enqueued before the GPU gets to them (SPIN_FACTOR over, within the bounds; the longest
+    spin when there is no warm-up figure)."""
+    torch.cuda.synchronize()
+    need_ms = SPIN_MAX_MS if warm_ms is None else SPIN_FACTOR * warm_ms * repeats
+    spin(min(SPIN_MAX_MS, max(SPIN_MIN_MS, need_ms)))
+
+
 def device_ms(steps, warmup, repeats, setup=None):
     """Device time of each call, with the host kept ahead of the GPU.
 
@@ -157,9 +168,7 @@ def device_ms(steps, warmup, repeats, setup=None):
             call()
         total = [sum(parts) / 1e3 for parts in zip(*host)]
         return {**stats(total), "host_us": [stats(h, "us") for h in host], "covered": None, "gap_us": None}
-    torch.cuda.synchronize()
-    need_ms = SPIN_MAX_MS if warm_ms is None else SPIN_FACTOR * warm_ms * repeats
-    spin(min(SPIN_MAX_MS, max(SPIN_MIN_MS, need_ms)))
+    hold_gpu(warm_ms, repeats)
     marks = []
     for _ in range(repeats):
         marks.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
@@ -171,6 +180,31 @@ def device_ms(steps, warmup, repeats, setup=None):
     if setup is None:
         out["gap_us"] = max((e.elapsed_time(s) * 1e3 for (_, e), (s, _) in zip(marks, marks[1:])), default=0.0)
     return out
+
+
+def call_host_us(call, warmup, repeats):
+    """Median host µs of call() while a spin holds the GPU (so no call waits for it), every
+    result kept until the timing ends (so no call pays for freeing the previous one's output
+    and autograd graph), and whether the spin outlasted the calls (None without CUDA)."""
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        call()
+    warm_ms = (time.perf_counter() - t0) * 1e3 / warmup if warmup else None
+    kept, times = [], []
+    if cuda():
+        hold_gpu(warm_ms, repeats)
+        mark = torch.cuda.Event()
+        mark.record()
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        kept.append(call())
+        times.append((time.perf_counter() - t0) * 1e6)
+    covered = None
+    if cuda():
+        covered = not mark.query()
+        torch.cuda.synchronize()
+    del kept
+    return {"us": percentile(times, 50), "covered": covered}
 
 
 def host_ms(step, spin_ms):
