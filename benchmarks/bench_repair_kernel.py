@@ -81,7 +81,7 @@ def stock_times(q, k, v, go, bias, repeats):
 
 def kernel_us(fn):
     """{kernel name: device µs} of one fn() call, from the profiler: where the time of a
-    repair goes (its two kernels; with no affected row, their fixed cost)."""
+    repair goes (its one kernel; with no affected row, its fixed cost)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -92,7 +92,7 @@ def kernel_us(fn):
     out = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            name = "scan" if "scan" in e.name else "tile" if "tile" in e.name else e.name[:40]
+            name = "repair" if "repair_kernel" in e.name else e.name[:40]
             out[name] = out.get(name, 0.0) + e.device_time_total
     return out
 

@@ -14,7 +14,10 @@
 
 #ifdef OPENWAM_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
 #endif
 
 namespace openwam {
@@ -43,11 +46,15 @@ void repair_dq_cuda(at::Tensor& grad_query, const at::Tensor& grad_out,
                  bias.value_or(at::Tensor()), is_causal, scale, /*repaired_rows=*/nullptr);
 }
 
-// One int64 per device, allocated outside any CUDA graph capture and kept for
-// the life of the process (a captured kernel holds its address).
+// One int64 per device, for the life of the process (a captured kernel holds
+// its address). Straight from cudaMalloc, not from PyTorch's caching
+// allocator: a first repair during torch.compile's CUDA-graph warm-up
+// (mode="reduce-overhead") would take the block from the graph's private
+// pool, which then refuses to record ("tensor(s) in the cudagraph pool not
+// tracked as outputs"; found on the H200, 2026-11-30).
 struct Counters {
   std::mutex mutex;
-  std::vector<at::Tensor> by_device;
+  std::vector<int64_t*> by_device;
 };
 
 Counters& counters() {
@@ -65,16 +72,24 @@ int64_t* repaired_rows_counter(const c10::Device& device) {
   std::lock_guard<std::mutex> lock(c.mutex);
   const auto index = static_cast<size_t>(device.index());
   if (c.by_device.size() <= index) {
-    c.by_device.resize(index + 1);
+    c.by_device.resize(index + 1, nullptr);
   }
-  at::Tensor& counter = c.by_device[index];
-  if (!counter.defined()) {
+  int64_t*& counter = c.by_device[index];
+  if (counter == nullptr) {
+    const c10::cuda::CUDAGuard guard(device);
     if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
       return nullptr;
     }
-    counter = at::zeros({}, at::TensorOptions().dtype(at::kLong).device(device));
+    // Once per device and process: the zero is in place before any kernel
+    // on any stream can read it.
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index());
+    void* p = nullptr;
+    C10_CUDA_CHECK(cudaMalloc(&p, sizeof(int64_t)));
+    C10_CUDA_CHECK(cudaMemsetAsync(p, 0, sizeof(int64_t), stream));
+    C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+    counter = static_cast<int64_t*>(p);
   }
-  return counter.data_ptr<int64_t>();
+  return counter;
 #else
   (void)device;
   return nullptr;
@@ -86,11 +101,19 @@ int64_t read_repaired_rows(bool reset) {
 #ifdef OPENWAM_WITH_CUDA
   Counters& c = counters();
   std::lock_guard<std::mutex> lock(c.mutex);
-  for (at::Tensor& counter : c.by_device) {
-    if (counter.defined()) {
-      total += counter.item<int64_t>();
-      if (reset) counter.zero_();
+  for (size_t index = 0; index < c.by_device.size(); ++index) {
+    int64_t* counter = c.by_device[index];
+    if (counter == nullptr) continue;
+    // On the device's current stream, after every repair queued there.
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(index));
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(index));
+    int64_t value = 0;
+    C10_CUDA_CHECK(cudaMemcpyAsync(&value, counter, sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
+    if (reset) {
+      C10_CUDA_CHECK(cudaMemsetAsync(counter, 0, sizeof(int64_t), stream));
     }
+    C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+    total += value;
   }
 #else
   (void)reset;

@@ -37,9 +37,9 @@ constexpr float kRepairLseThreshold = -40.0f;
 // logsumexp -inf get zeros; rows with a finite logsumexp below
 // kRepairLseThreshold are recomputed (tensor cores, fp32 accumulation), and
 // their number is added on the device to *repaired_rows (int64, atomicAdd;
-// nullptr: none). Every other row of grad_query is left untouched. Two
-// kernel launches, a workspace of 8 bytes per query row from the caching
-// allocator, no host synchronisation (capturable in a CUDA graph).
+// nullptr: none). Every other row of grad_query is left untouched. One
+// kernel launch, no workspace, no host synchronisation (capturable in a CUDA
+// graph).
 void repair_dq_rows(at::Tensor& grad_query, const at::Tensor& grad_out,
                     const at::Tensor& query, const at::Tensor& key,
                     const at::Tensor& value, const at::Tensor& out,

@@ -1,18 +1,17 @@
-// Host side of the dQ-row repair (repair_dq.h): checks, workspace and the two
-// launches of repair_dq_rows (openwam::_repair_dq_ calls it: repair_dq.cpp).
+// Host side of the dQ-row repair (repair_dq.h): checks, and the one launch
+// of repair_dq_rows (openwam::_repair_dq_ calls it: repair_dq.cpp).
 //
-//   1. repair_scan_kernel (repair_dq_scan.cuh), one block per (b, h): zeros
-//      the -inf rows, lists the rows below the threshold, counts them.
-//   2. repair_tile_kernel (repair_dq_tile.cuh, launched from
-//      repair_dq_tile_{bf16,fp16}.cu), a persistent grid: recomputes the
-//      listed rows, 64 at a time, on tensor cores.
-// Which rows need work is known only on the GPU; the host never waits for it,
-// so the op stays capturable in a CUDA graph. The workspace is 8 bytes per
-// query row (the row list) plus an int per head, from PyTorch's caching
-// allocator; both kernels overwrite what they read, so nothing is cleared.
+// repair_kernel (repair_dq_tile_launch.cuh, instantiated in
+// repair_dq_tile_{bf16,fp16}.cu) is a persistent grid whose blocks each take
+// a run of (head, tile) items: for each head of the run, the block reads the
+// head's logsumexp, zeros the -inf rows (the head's owner), counts the rows
+// below the threshold (repair_dq_scan.cuh), then recomputes those of its
+// tiles, 64 rows at a time, on tensor cores (repair_dq_tile.cuh). Which rows
+// need work is known only on the GPU; the host never waits for it, so the op
+// stays capturable in a CUDA graph. No workspace: nothing is allocated,
+// nothing cleared.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -21,13 +20,11 @@
 
 #include "../repair_dq.h"
 #include "repair_dq_layout.cuh"
-#include "repair_dq_scan.cuh"
 #include "repair_dq_tile_launch.cuh"
 
 namespace openwam {
 namespace {
 
-using repair::RowEntry;
 using repair::RowStrides;
 using repair::TileParams;
 
@@ -125,17 +122,6 @@ void repair_dq_rows(at::Tensor& grad_query, const at::Tensor& grad_out, const at
   const int device = query.device().index();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device);
 
-  // counts[heads] (padded to 8 bytes), then the row lists [heads, s_q].
-  // Straight from the caching allocator, which orders its reuse on this
-  // stream (and serves graph capture from the graph's pool) as for any
-  // tensor: no tensor is made, for the host time of a call that repairs
-  // nothing.
-  const int64_t counts_ints = heads + (heads & 1);
-  const c10::DataPtr workspace = c10::cuda::CUDACachingAllocator::get()->allocate(
-      (counts_ints + 2 * heads * s_q) * sizeof(int32_t));
-  int32_t* counts = static_cast<int32_t*>(workspace.get());
-  RowEntry* rows = reinterpret_cast<RowEntry*>(counts + counts_ints);
-
   repair::ScanParams sp{};
   sp.lse = logsumexp.const_data_ptr<float>();
   sp.lse_b = logsumexp.stride(0);
@@ -150,13 +136,7 @@ void repair_dq_rows(at::Tensor& grad_query, const at::Tensor& grad_out, const at
   sp.head_dim = head_dim;
   sp.dq_vec = rows_aligned(grad_query, 8);
   sp.threshold = kRepairLseThreshold;
-  sp.counts = counts;
-  sp.rows = rows;
   sp.repaired = reinterpret_cast<unsigned long long*>(repaired_rows);
-  repair::repair_scan_kernel<<<static_cast<unsigned>(heads), repair::kScanThreads,
-                               repair::kScanThreads / 32 * sizeof(int), stream>>>(sp);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-
   TileParams tp{};
   tp.q = bits(query);
   tp.k = bits(key);
@@ -189,8 +169,6 @@ void repair_dq_rows(at::Tensor& grad_query, const at::Tensor& grad_out, const at
     tp.bias_e = strides[3];
     tp.bias_vec = (strides[3] == 1 || s_kv <= 1) && rows_aligned(tp.bias, full, strides, 8);
   }
-  tp.counts = counts;
-  tp.rows = rows;
   tp.heads = H;
   tp.kv_group = H / key.size(1);
   tp.s_q = s_q;
@@ -205,9 +183,9 @@ void repair_dq_rows(at::Tensor& grad_query, const at::Tensor& grad_out, const at
            rows_aligned(out, 8) && rows_aligned(grad_out, 8);
   tp.dq_pair = rows_aligned(grad_query, 2);
   if (query.scalar_type() == at::kBFloat16) {
-    repair::launch_tiles_bf16(tp, device, stream);
+    repair::launch_repair_bf16(sp, tp, device, stream);
   } else {
-    repair::launch_tiles_fp16(tp, device, stream);
+    repair::launch_repair_fp16(sp, tp, device, stream);
   }
 }
 

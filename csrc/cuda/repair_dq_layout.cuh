@@ -4,7 +4,7 @@
 // tests (and the CPU emulation of the kernels) check the very functions the
 // kernels use: the shared-memory swizzle, which tile element each lane of an
 // mma.sync holds, which row address each lane hands to ldmatrix, how work
-// items map to heads and tiles, and how many blocks the tile kernel gets.
+// items map to heads and tiles, and how many blocks the repair kernel gets.
 #pragma once
 
 #include <cstdint>
@@ -22,11 +22,11 @@ namespace repair {
 constexpr int kTileRows = 64;
 // Keys per pipeline stage.
 constexpr int kKeyBlock = 64;
-// Threads of the tile kernel (4 warps) and of the scan kernel.
+// Threads of the repair kernel's blocks (4 warps), finding rows and recomputing them.
 constexpr int kTileThreads = 128;
-constexpr int kScanThreads = 256;
-// Rows each scan thread reads per round (consecutive, so that the compacted
-// row list comes out in ascending order).
+constexpr int kScanThreads = kTileThreads;
+// Rows each thread reads per round of the row walk (consecutive, so that
+// ranks follow row order).
 constexpr int kScanRowsPerThread = 4;
 // A tile with at most this many rows is "narrow": all 4 warps share its 16
 // rows and split each key block four ways instead of idling 3 warps.
@@ -43,13 +43,6 @@ template <typename T>
 OPENWAM_HD T cmin(T a, T b) { return a < b ? a : b; }
 template <typename T>
 OPENWAM_HD T cmax(T a, T b) { return a < b ? b : a; }
-
-// One entry of a head's list of rows to recompute: the query row and its
-// logsumexp (kept beside it, which saves the tile kernel a dependent load).
-struct RowEntry {
-  int32_t row;
-  float lse;
-};
 
 // ---------------------------------------------------------------- tiles
 // Q, dO, K and V tiles live in shared memory as rows of kChunks 16-byte
@@ -102,34 +95,32 @@ OPENWAM_HD int ldsm_bt_row(int lane) { return (((lane >> 3) & 1) << 3) + (lane &
 OPENWAM_HD int ldsm_bt_chunk(int lane) { return lane >> 4; }
 
 // ---------------------------------------------------------------- work
-// The tile kernel's work items are (head, tile) pairs, head-major:
-// item = head * tiles_per_head + tile, tile t holding the head's affected
-// rows 64 t .. 64 t + 63 (in row order). Block b takes items b, b + G,
-// b + 2 G, ... (G = grid size). Head-major keeps the tiles of one head in
-// neighbouring blocks at the same time, so its K and V are read from L2.
+// The repair kernel's work items are (head, tile) pairs, head-major:
+// item = head * tiles_per_head + tile. A head with n affected rows has
+// w = ceil(n / 64) tiles of work, the k-th holding its rows of ranks
+// 64 k .. 64 k + 63 (in row order), placed at item k s of the head with
+// s = tiles_per_head / w: spread over the head. Block b of G takes the
+// contiguous run of items b n / G .. (b + 1) n / G - 1: one to three heads
+// per block, whose logsumexp it reads once per head, and runs of equal
+// length, each holding its share of every head's work.
 OPENWAM_HD int64_t item_head(int64_t item, int64_t tiles_per_head) { return item / tiles_per_head; }
 OPENWAM_HD int64_t item_tile(int64_t item, int64_t tiles_per_head) { return item % tiles_per_head; }
 
-OPENWAM_HD int64_t gcd64(int64_t a, int64_t b) {
-  while (b != 0) {
-    const int64_t t = a % b;
-    a = b;
-    b = t;
-  }
-  return a;
+// Tiles of work of a head with `count` affected rows, and the spacing s of
+// their items in the head.
+OPENWAM_HD int64_t work_tiles(int64_t count) { return (count + kTileRows - 1) / kTileRows; }
+OPENWAM_HD int64_t work_stride(int64_t n_work, int64_t tiles_per_head) {
+  return n_work > 0 ? tiles_per_head / n_work : 1;
+}
+// The first work tile k whose item k s lies at or after tile `first_tile`.
+OPENWAM_HD int64_t first_work(int64_t first_tile, int64_t stride) {
+  return (first_tile + stride - 1) / stride;
 }
 
-// Grid size of the tile kernel: at most one block per resident slot
-// (`slots` = blocks per SM x SMs; the kernel loops over its items), and
-// coprime with tiles_per_head. Coprime matters when each head has one tile
-// (one affected row per head): those items are multiples of tiles_per_head,
-// and only a coprime stride spreads them over every block.
-inline int64_t tile_grid_size(int64_t n_items, int64_t tiles_per_head, int64_t slots) {
-  int64_t grid = cmax<int64_t>(1, cmin(n_items, slots));
-  while (grid > 1 && gcd64(grid, tiles_per_head) != 1) {
-    --grid;
-  }
-  return grid;
+// Grid size of the repair kernel: at most one block per resident slot
+// (`slots` = blocks per SM x SMs; a block walks its run of items).
+inline int64_t tile_grid_size(int64_t n_items, int64_t slots) {
+  return cmax<int64_t>(1, cmin(n_items, slots));
 }
 
 // The compiled head_dim widths: 64, 128 and 256 (0: over 256). A head_dim
@@ -139,13 +130,13 @@ OPENWAM_HD int head_dim_width(int64_t head_dim) {
 }
 
 // ---------------------------------------------------------------- smem
-// Shared memory of the tile kernel (bytes), in this order: a small header
-// (work list, row indices, logsumexp, delta), `stages` pipeline stages of K,
+// Shared memory of the repair kernel (bytes), in this order: a small header
+// (row indices, logsumexp, delta, key mean), `stages` pipeline stages of K,
 // V (and the bias tile when there is a bias), then Q and dO unless they are
 // staged through the last stage on their way into registers (head_dim <=
 // 128; the prologue fills the other stages meanwhile).
 struct TileSmem {
-  // 1.8 KB of work list and row data, 1 KB for the key mean (fp16 tiles).
+  // Row data, the key mean (fp16 tiles) and the run's state: under 2 KB.
   static constexpr int kHeaderBytes = 3072;
   int width;      // compiled head_dim width
   bool has_bias;

@@ -1,15 +1,22 @@
-// First kernel of the dQ-row repair: find the rows.
+// Finding the rows of the dQ-row repair, in the repair kernel's blocks.
 //
-// One block per (batch, head) reads the head's logsumexp once and
-//   - writes zeros to the dQ rows whose logsumexp is -inf (the row sees no
-//     key: its output and gradient are 0; cuDNN may have left NaN there),
-//   - lists the rows with a finite logsumexp below the threshold, in row
-//     order, with their logsumexp (RowEntry), and stores how many in
-//     counts[head] (written for every head, so the workspace needs no
-//     clearing: no memset launch, nothing to reset for a CUDA graph),
-//   - adds that number to the telemetry counter, when there is one.
-// On ordinary data this is the whole cost of the repair: 4 bytes per query
-// row read, one int per head written.
+// A head's affected rows are those with a finite logsumexp below the
+// threshold; their rank is their position among them in row order. The
+// recompute takes them 64 ranks at a time (a head's k-th tile of work: ranks
+// 64 k .. 64 k + 63).
+// A block walks the head's logsumexp in rounds of kScanThreads *
+// kScanRowsPerThread rows, ranking the affected rows of a round with a
+// block-wide prefix sum:
+//   - count_head: one walk over the whole head. Gives the count; the head's
+//     owner (the block that holds its tile 0) also writes zeros to the dQ
+//     rows whose logsumexp is -inf (the row sees no key: its output and
+//     gradient are 0; cuDNN may have left NaN there) and adds the count to
+//     the telemetry counter.
+//   - gather_rows: the rows of ranks lo .. hi - 1 into shared memory,
+//     resuming where the previous tile's walk stopped (RowCursor).
+// Nothing is kept between blocks or launches: no workspace, no barrier. On
+// ordinary data a block reads the logsumexp of the one to three heads its
+// tiles belong to, and that is the whole cost of the repair.
 #pragma once
 
 #include <cmath>
@@ -28,13 +35,18 @@ struct ScanParams {
   int64_t lse_b, lse_h, lse_s;
   uint16_t* dq;  // bf16 or fp16 bits; only zeros are written here
   int64_t dq_b, dq_h, dq_s;
-  int64_t heads, s_q;
+  int64_t heads, s_q;  // heads per batch entry (H), query rows
   int head_dim;
   bool dq_vec;  // dQ rows are 16-byte aligned: write zeros 8 elements at a time
   float threshold;
-  int32_t* counts;               // [B * H]
-  RowEntry* rows;                // [B * H, s_q]
   unsigned long long* repaired;  // telemetry counter, or nullptr
+};
+
+// Where a walk over a head's rows resumes: the first row of a round and the
+// rank of the first affected row at or after it.
+struct RowCursor {
+  int64_t row = 0;
+  int rank = 0;
 };
 
 __device__ __forceinline__ void zero_row(uint16_t* row, int head_dim, bool vec, int lane) {
@@ -51,23 +63,30 @@ __device__ __forceinline__ void zero_row(uint16_t* row, int head_dim, bool vec, 
   }
 }
 
-__device__ __forceinline__ void scan_head(const ScanParams& p) {
+// One walk over head `head` from `cursor`, round by round, until the round
+// in which rank `hi` is reached (or the head ends). Rows of rank lo .. hi - 1
+// go to s_row[rank - lo] (query row) and s_lse2[rank - lo] (logsumexp *
+// log2 e) when s_row is not nullptr; -inf rows get zeros when `zero_empty`.
+// Returns the number of affected rows seen from the cursor on; leaves the
+// cursor at the start of the last round walked, so that the next walk (ranks
+// from hi on) reads that round again. All threads of the block call it, and
+// get the same result; `warp_sums` is kScanThreads / 32 ints of shared
+// memory.
+__device__ __forceinline__ int walk_rows(const ScanParams& p, int64_t head, RowCursor& cursor,
+                                         int lo, int hi, int* s_row, float* s_lse2,
+                                         bool zero_empty, int* warp_sums) {
   constexpr int kWarps = kScanThreads / 32;
   constexpr int kRowsPerRound = kScanThreads * kScanRowsPerThread;
-  int* warp_sums = reinterpret_cast<int*>(smem_base());  // [kWarps]
-
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int64_t head = blockIdx.x;
   const int64_t b = head / p.heads;
   const int64_t h = head % p.heads;
   const float* lse = p.lse + b * p.lse_b + h * p.lse_h;
   uint16_t* dq = p.dq + b * p.dq_b + h * p.dq_h;
-  RowEntry* list = p.rows + head * p.s_q;
 
-  int listed = 0;  // rows listed so far (the same in every thread)
-  for (int64_t first = 0; first < p.s_q; first += kRowsPerRound) {
+  int seen = 0;  // affected rows from the cursor's rank on
+  for (int64_t first = cursor.row; first < p.s_q; first += kRowsPerRound) {
     const int64_t row0 = first + static_cast<int64_t>(tid) * kScanRowsPerThread;
     float l[kScanRowsPerThread];
     bool low[kScanRowsPerThread], empty[kScanRowsPerThread];
@@ -81,7 +100,7 @@ __device__ __forceinline__ void scan_head(const ScanParams& p) {
       low[k] = in && l[k] < p.threshold && !empty[k];
       mine += low[k] ? 1 : 0;
     }
-    // Block-wide exclusive prefix sum of `mine`: rows keep their order.
+    // Block-wide exclusive prefix sum of `mine`: ranks follow row order.
     int incl = mine;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
@@ -90,47 +109,70 @@ __device__ __forceinline__ void scan_head(const ScanParams& p) {
     }
     if (lane == 31) warp_sums[warp] = incl;
     __syncthreads();
-    int pos = listed + incl - mine;
+    int rank = cursor.rank + seen + incl - mine;
     int round_total = 0;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
       const int s = warp_sums[w];
-      pos += w < warp ? s : 0;
+      rank += w < warp ? s : 0;
       round_total += s;
     }
+    if (s_row != nullptr) {
 #pragma unroll
-    for (int k = 0; k < kScanRowsPerThread; ++k) {
-      if (low[k]) {
-        RowEntry e;
-        e.row = static_cast<int32_t>(row0 + k);
-        e.lse = l[k];
-        list[pos++] = e;
+      for (int k = 0; k < kScanRowsPerThread; ++k) {
+        if (low[k]) {
+          if (rank >= lo && rank < hi) {
+            s_row[rank - lo] = static_cast<int>(row0 + k);
+            s_lse2[rank - lo] = l[k] * kLog2e;
+          }
+          ++rank;
+        }
       }
     }
-    listed += round_total;
-    // Zero the -inf rows, one warp per row (coalesced).
+    if (zero_empty) {  // one warp per -inf row (coalesced)
 #pragma unroll
-    for (int k = 0; k < kScanRowsPerThread; ++k) {
-      unsigned pending = __ballot_sync(0xffffffffu, empty[k]);
-      while (pending != 0u) {
-        const int src = __ffs(pending) - 1;
-        pending &= pending - 1u;
-        const int64_t row = first + static_cast<int64_t>(warp * 32 + src) * kScanRowsPerThread + k;
-        zero_row(dq + row * p.dq_s, p.head_dim, p.dq_vec, lane);
+      for (int k = 0; k < kScanRowsPerThread; ++k) {
+        unsigned pending = __ballot_sync(0xffffffffu, empty[k]);
+        while (pending != 0u) {
+          const int src = __ffs(pending) - 1;
+          pending &= pending - 1u;
+          const int64_t row =
+              first + static_cast<int64_t>(warp * 32 + src) * kScanRowsPerThread + k;
+          zero_row(dq + row * p.dq_s, p.head_dim, p.dq_vec, lane);
+        }
       }
     }
     __syncthreads();  // warp_sums is rewritten next round
-  }
-  if (tid == 0) {
-    p.counts[head] = listed;
-    if (listed > 0 && p.repaired != nullptr) {
-      atomicAdd(p.repaired, static_cast<unsigned long long>(listed));
+    if (cursor.rank + seen + round_total >= hi) {  // rank hi lies in this round
+      cursor.rank += seen;
+      cursor.row = first;
+      return seen + round_total;
     }
+    seen += round_total;
   }
+  cursor.rank += seen;
+  cursor.row = p.s_q;
+  return seen;
 }
 
-__global__ void __launch_bounds__(kScanThreads) repair_scan_kernel(const ScanParams p) {
-  scan_head(p);
+// The number of affected rows of head `head`; the owner also zeroes the -inf
+// rows and counts the rows for the telemetry.
+__device__ __forceinline__ int count_head(const ScanParams& p, int64_t head, bool owner,
+                                          int* warp_sums) {
+  RowCursor start;
+  const int count = walk_rows(p, head, start, 0, INT32_MAX, nullptr, nullptr, owner, warp_sums);
+  if (owner && threadIdx.x == 0 && count > 0 && p.repaired != nullptr) {
+    atomicAdd(p.repaired, static_cast<unsigned long long>(count));
+  }
+  return count;
+}
+
+// The rows of ranks lo .. hi - 1 of head `head` into s_row / s_lse2, from
+// `cursor` (at or before rank lo).
+__device__ __forceinline__ void gather_rows(const ScanParams& p, int64_t head, RowCursor& cursor,
+                                            int lo, int hi, int* s_row, float* s_lse2,
+                                            int* warp_sums) {
+  walk_rows(p, head, cursor, lo, hi, s_row, s_lse2, false, warp_sums);
 }
 
 }  // namespace repair

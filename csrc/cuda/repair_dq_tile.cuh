@@ -1,5 +1,4 @@
-// Second kernel of the dQ-row repair: recompute the listed rows on tensor
-// cores.
+// The recompute of the dQ-row repair: the affected rows, on tensor cores.
 //
 // With lse and delta_i = dO_i . o_i known, a row's gradient is
 //   dQ_i = scale * sum_j P_ij (dO_i . v_j - delta_i) k_j,
@@ -14,10 +13,13 @@
 // the same rows, each taking 16 keys of a block, and sums the 4 partial dQ
 // at the end.
 //
-// Work: the grid is persistent (see tile_grid_size); a block walks its
-// (head, tile) items, skipping those past the head's count from the scan
-// kernel, 128 items per load of the counts. On ordinary data every item is
-// empty and the kernel costs one read of B*H counts.
+// Work: the grid is persistent (see tile_grid_size). The (head, tile) items,
+// head-major, are cut into one contiguous run per block; for each head of
+// its run a block counts the head's affected rows (repair_dq_scan.cuh) and
+// recomputes those of its tiles that have rows, gathering each tile's rows
+// into shared memory first. Blocks never wait for each other. On ordinary
+// data every tile is empty and a block reads the logsumexp of the one to
+// three heads of its run.
 //
 // Registers: for head_dim <= 128 the 16 rows of Q and dO of a warp stay in
 // registers for the whole tile (staged once through the last pipeline stage);
@@ -43,6 +45,7 @@
 #include <cstdint>
 
 #include "repair_dq_layout.cuh"
+#include "repair_dq_scan.cuh"
 #include "repair_dq_tile_load.cuh"
 #include "repair_dq_tile_warp.cuh"
 #ifndef OPENWAM_REPAIR_EMULATE  // the CPU emulation of the tests brings its own
@@ -66,8 +69,6 @@ struct TileParams {
   uint16_t* dq;
   RowStrides q_st, k_st, v_st, o_st, go_st, dq_st;
   int64_t bias_b, bias_h, bias_s, bias_e;
-  const int32_t* counts;  // from the scan kernel
-  const RowEntry* rows;
   int64_t heads, kv_group, s_q;
   int s_kv;
   int head_dim;
@@ -81,29 +82,38 @@ struct TileParams {
   bool dq_pair;      // dQ element pairs 4-byte aligned: 32-bit stores
 };
 
-// The shared-memory header: the block's work list, the current tile's rows
-// and its key mean (TileSmem::kHeaderBytes).
+// Where a block is in its run of items, kept in shared memory across
+// repair_tile: held in registers through it, the run's state spilled
+// (repair_tile takes all 255 at head_dim 128).
+struct RunState {
+  int64_t end, head, work, stride, end_tile;
+  RowCursor cursor;
+  int count;
+};
+
+// The shared-memory header: the current tile's rows, the scan's warp sums,
+// the tile's key mean and the run's state (TileSmem::kHeaderBytes).
 struct TileHeader {
-  int* items;    // [kTileThreads]: index k of item first + k * grid
-  int* counts;   // [kTileThreads]: the item's head count
-  int* row;      // [kTileRows]: query row, -1 past the tile's rows
-  float* lse2;   // [kTileRows]
-  float* delta;  // [kTileRows]
-  int* warp_sums;  // [kTileThreads / 32]
+  int* row;         // [kTileRows]: query row, -1 past the tile's rows
+  float* lse2;      // [kTileRows]: logsumexp * log2(e), +inf past the rows
+  float* delta;     // [kTileRows]
+  int* warp_sums;   // [kTileThreads / 32]
   float* key_mean;  // [kMaxWidth]: m of the centred keys (fp16 only)
+  volatile RunState* run;
 
   __device__ __forceinline__ explicit TileHeader(unsigned char* smem)
-      : items(reinterpret_cast<int*>(smem)),
-        counts(items + kTileThreads),
-        row(counts + kTileThreads),
+      : row(reinterpret_cast<int*>(smem)),
         lse2(reinterpret_cast<float*>(row + kTileRows)),
         delta(lse2 + kTileRows),
         warp_sums(reinterpret_cast<int*>(delta + kTileRows)),
-        key_mean(reinterpret_cast<float*>(warp_sums + kTileThreads / 32)) {}
+        key_mean(reinterpret_cast<float*>(warp_sums + kTileThreads / 32)),
+        run(reinterpret_cast<RunState*>(key_mean + kMaxWidth)) {}
 };
-static_assert((2 * kTileThreads + 3 * kTileRows + kTileThreads / 32 + kMaxWidth) * 4 <=
+static_assert((3 * kTileRows + kTileThreads / 32 + kMaxWidth) * 4 + sizeof(RunState) <=
                   TileSmem::kHeaderBytes,
               "the header outgrew its bytes");
+static_assert((3 * kTileRows + kTileThreads / 32 + kMaxWidth) * 4 % alignof(RunState) == 0,
+              "RunState misaligned");
 
 // m of the centred keys: the mean of the first key block's keys (zeros past
 // s_kv excluded), one column per thread, from the block's K tile at `k_tile`.
@@ -123,36 +133,21 @@ __device__ __forceinline__ void mean_of_keys(float* key_mean, const unsigned cha
   }
 }
 
-// Recompute and write the dQ rows of tile `tile` of head `head` (`count`
-// rows listed for the head). All threads of the block call it.
+// Recompute and write the dQ rows hdr.row[0 .. n_rows - 1] (ascending) of
+// head `head`. All threads of the block call it.
 template <class Elt, int kWidth>
 __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem& layout,
-                                            const TileHeader& hdr, int64_t head, int64_t tile,
-                                            int count) {
+                                            const TileHeader& hdr, int64_t head, int n_rows) {
   using Shape = TileShape<kWidth>;
   constexpr int kChunks = Shape::kChunks;
   unsigned char* smem = smem_base();
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int n_rows = static_cast<int>(cmin<int64_t>(kTileRows, count - tile * kTileRows));
   const int64_t b = head / p.heads;
   const int64_t h = head % p.heads;
   const int64_t hk = h / p.kv_group;
   const bool has_bias = p.bias != nullptr;
-
-  if (tid < kTileRows) {
-    int row = -1;
-    float lse2 = INFINITY;
-    if (tid < n_rows) {
-      const RowEntry e = p.rows[head * p.s_q + tile * kTileRows + tid];
-      row = e.row;
-      lse2 = e.lse * kLog2e;
-    }
-    hdr.row[tid] = row;
-    hdr.lse2[tid] = lse2;
-  }
-  __syncthreads();
 
   // Rows are listed in order: the last one sees the most keys under is_causal.
   const int kv_end = p.causal ? cmin(p.s_kv, hdr.row[n_rows - 1] + 1) : p.s_kv;
@@ -376,45 +371,59 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
   __syncthreads();  // the header and the stages are reused by the next tile
 }
 
+// The block's run of (head, tile) items: the whole grid covers every item
+// once. All threads of the block call it.
 template <class Elt, int kWidth>
-__device__ __forceinline__ void repair_tiles(const TileParams& p) {
+__device__ __forceinline__ void repair_tiles(const ScanParams& scan, const TileParams& p) {
   unsigned char* smem = smem_base();
   const TileHeader hdr(smem);
   const TileSmem layout{kWidth, p.bias != nullptr, p.stages};
-  const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
+  const int64_t tiles = p.tiles_per_head;
   const int64_t grid = gridDim.x;
-  for (int64_t first = blockIdx.x; first < p.n_items; first += grid * kTileThreads) {
-    // Which of this block's next 128 items have rows: one load each.
-    const int64_t item = first + tid * grid;
-    int count = 0;
-    bool has_rows = false;
-    if (item < p.n_items) {
-      count = p.counts[item_head(item, p.tiles_per_head)];
-      has_rows = count > item_tile(item, p.tiles_per_head) * kTileRows;
+  int64_t end = (static_cast<int64_t>(blockIdx.x) + 1) * p.n_items / grid;
+  for (int64_t item = static_cast<int64_t>(blockIdx.x) * p.n_items / grid; item < end;) {
+    int64_t head = item_head(item, tiles);
+    const int64_t first_tile = item_tile(item, tiles);
+    int64_t end_tile = cmin(tiles, first_tile + (end - item));
+    // The block holding a head's tile 0 owns its -inf rows and telemetry.
+    int count = count_head(scan, head, first_tile == 0, hdr.warp_sums);
+    // The head's n_work tiles with rows sit at items 0, stride, 2 stride, ...
+    // of the head, spread over its items so that every block's run gets its
+    // share of them (at 10% of rows, the rows of 64-row ranks 0..6 of a
+    // 4032-key head would otherwise all fall to the one block holding its
+    // first items).
+    const int64_t n_work = work_tiles(count);
+    int64_t stride = work_stride(n_work, tiles);
+    RowCursor cursor;
+    for (int64_t j = first_work(first_tile, stride); j < n_work && j * stride < end_tile; ++j) {
+      const int lo = static_cast<int>(j * kTileRows);
+      const int n_rows = cmin(kTileRows, count - lo);
+      if (threadIdx.x < kTileRows && static_cast<int>(threadIdx.x) >= n_rows) {
+        hdr.row[threadIdx.x] = -1;
+        hdr.lse2[threadIdx.x] = INFINITY;
+      }
+      gather_rows(scan, head, cursor, lo, lo + n_rows, hdr.row, hdr.lse2, hdr.warp_sums);
+      if (threadIdx.x == 0) {  // read back after repair_tile's closing barrier
+        hdr.run->end = end;
+        hdr.run->head = head;
+        hdr.run->work = j;
+        hdr.run->stride = stride;
+        hdr.run->end_tile = end_tile;
+        hdr.run->cursor.row = cursor.row;
+        hdr.run->cursor.rank = cursor.rank;
+        hdr.run->count = count;
+      }
+      repair_tile<Elt, kWidth>(p, layout, hdr, head, n_rows);
+      end = hdr.run->end;
+      head = hdr.run->head;
+      j = hdr.run->work;
+      stride = hdr.run->stride;
+      end_tile = hdr.run->end_tile;
+      cursor.row = hdr.run->cursor.row;
+      cursor.rank = hdr.run->cursor.rank;
+      count = hdr.run->count;
     }
-    const unsigned ballot = __ballot_sync(0xffffffffu, has_rows);
-    if (lane == 0) hdr.warp_sums[warp] = __popc(ballot);
-    __syncthreads();
-    int pos = __popc(ballot & ((1u << lane) - 1u));
-    int n = 0;
-#pragma unroll
-    for (int w = 0; w < kTileThreads / 32; ++w) {
-      pos += w < warp ? hdr.warp_sums[w] : 0;
-      n += hdr.warp_sums[w];
-    }
-    if (has_rows) {
-      hdr.items[pos] = tid;
-      hdr.counts[pos] = count;
-    }
-    __syncthreads();
-    for (int e = 0; e < n; ++e) {
-      const int64_t it = first + hdr.items[e] * grid;
-      repair_tile<Elt, kWidth>(p, layout, hdr, item_head(it, p.tiles_per_head),
-                               item_tile(it, p.tiles_per_head), hdr.counts[e]);
-    }
-    __syncthreads();  // items and warp_sums are rewritten by the next batch
+    item = head * tiles + end_tile;
   }
 }
 
@@ -423,12 +432,6 @@ __device__ __forceinline__ void repair_tiles(const TileParams& p) {
 // more).
 template <int kWidth>
 constexpr int kTileBlocksPerSm = kWidth <= 64 ? 3 : kWidth <= 128 ? 2 : 1;
-
-template <class Elt, int kWidth>
-__global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSm<kWidth>)
-    repair_tile_kernel(const TileParams p) {
-  repair_tiles<Elt, kWidth>(p);
-}
 
 }  // namespace repair
 }  // namespace openwam

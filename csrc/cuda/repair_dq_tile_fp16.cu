@@ -1,11 +1,12 @@
-// The fp16 tile kernels of the dQ-row repair (see repair_dq_tile_launch.cuh).
+// The fp16 kernels of the dQ-row repair (see repair_dq_tile_launch.cuh).
 #include "repair_dq_tile_launch.cuh"
 
 namespace openwam {
 namespace repair {
 
-void launch_tiles_fp16(const TileParams& p, int device, cudaStream_t stream) {
-  launch_tiles<Fp16>(p, device, stream);
+void launch_repair_fp16(const ScanParams& scan, const TileParams& tiles, int device,
+                        cudaStream_t stream) {
+  launch_repair<Fp16>(scan, tiles, device, stream);
 }
 
 }  // namespace repair

@@ -1,10 +1,21 @@
-// Launching the tile kernel (repair_dq_tile.cuh) of one element type. Each
-// type's kernels compile in their own file (repair_dq_tile_bf16.cu,
+// The repair kernel and its launch, for one element type. Each type's
+// kernels compile in their own file (repair_dq_tile_bf16.cu,
 // repair_dq_tile_fp16.cu) so that the two build in parallel.
+//
+// One launch, no workspace: each block finds the rows of its own tiles
+// (repair_dq_scan.cuh) and recomputes them (repair_dq_tile.cuh). A kernel
+// launch costs the host about 4 us inside a backward, most of the 5 us a
+// call may add (issue 11): with a scan kernel and a tile kernel the repair
+// added 8.6 us to a backward, 1.0 us without their launches (H200 host,
+// torch 2.11, paired rounds, 2026-11-30). A grid-wide barrier between a scan phase and a tile phase would need
+// every block resident at once (a cooperative launch), which stalls the
+// repair behind whatever else holds the GPU's multiprocessors, such as the
+// NCCL kernels of data-parallel training that overlap the backward.
 #pragma once
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -12,22 +23,54 @@
 #include <mutex>
 
 #include "repair_dq_layout.cuh"
+#include "repair_dq_scan.cuh"
 #include "repair_dq_tile.cuh"
 
 namespace openwam {
 namespace repair {
 
 // Defined in repair_dq_tile_bf16.cu and repair_dq_tile_fp16.cu.
-void launch_tiles_bf16(const TileParams& p, int device, cudaStream_t stream);
-void launch_tiles_fp16(const TileParams& p, int device, cudaStream_t stream);
+void launch_repair_bf16(const ScanParams& scan, const TileParams& tiles, int device,
+                        cudaStream_t stream);
+void launch_repair_fp16(const ScanParams& scan, const TileParams& tiles, int device,
+                        cudaStream_t stream);
+
+template <class Elt, int kWidth>
+__global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSm<kWidth>)
+    repair_kernel(const ScanParams scan, const TileParams tiles) {
+  repair_tiles<Elt, kWidth>(scan, tiles);
+}
 
 // How the kernel runs on a device, without and with a bias (which adds a
-// tile to each stage): pipeline depth and blocks per SM. Found once per
-// device.
+// tile to each stage): pipeline depth, blocks per SM and the kernel's driver
+// handle. Found once per device.
 struct TileConfig {
   int stages = 0;
   int blocks_per_sm = 0;
+  CUfunction function = nullptr;
 };
+
+// The driver's cuLaunchKernelEx, found through the runtime (no link to
+// libcuda). Launching the kernel's driver handle directly skips the
+// runtime's lookup of the kernel: 0.5-0.8 us less host time per backward
+// than cudaLaunchKernelEx (H200 host, paired rounds, 2026-11-30).
+using LaunchKernelEx = CUresult (*)(const CUlaunchConfig*, CUfunction, void**, void**);
+inline LaunchKernelEx launch_kernel_ex() {
+  static const LaunchKernelEx fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuLaunchKernelEx", &f, 12000,
+                                                    cudaEnableDefault, &found));
+#else  // the versioned lookup came with CUDA 12.5
+    C10_CUDA_CHECK(cudaGetDriverEntryPoint("cuLaunchKernelEx", &f, cudaEnableDefault, &found));
+#endif
+    TORCH_CHECK(found == cudaDriverEntryPointSuccess && f != nullptr,
+                "openwam::repair_dq_rows: the CUDA driver has no cuLaunchKernelEx");
+    return reinterpret_cast<LaunchKernelEx>(f);
+  }();
+  return fn;
+}
 
 template <class Elt, int kWidth>
 TileConfig tile_config(int device, bool has_bias) {
@@ -38,7 +81,7 @@ TileConfig tile_config(int device, bool has_bias) {
               device, " out of range");
   std::call_once(once[device], [device] {
     const cudaDeviceProp* props = at::cuda::getDeviceProperties(device);
-    const auto kernel = repair_tile_kernel<Elt, kWidth>;
+    const auto kernel = repair_kernel<Elt, kWidth>;
     std::array<TileConfig, 2>& c = configs[device];
     int max_smem = 0;
     for (int with_bias = 0; with_bias < 2; ++with_bias) {
@@ -50,6 +93,9 @@ TileConfig tile_config(int device, bool has_bias) {
     }
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         max_smem));
+    CUfunction f = nullptr;
+    C10_CUDA_CHECK(cudaGetFuncBySymbol(&f, reinterpret_cast<const void*>(kernel)));
+    c[0].function = c[1].function = f;
     for (int with_bias = 0; with_bias < 2; ++with_bias) {
       C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
           &c[with_bias].blocks_per_sm, kernel, kTileThreads,
@@ -60,28 +106,37 @@ TileConfig tile_config(int device, bool has_bias) {
 }
 
 template <class Elt, int kWidth>
-void launch_tiles_width(TileParams p, int device, cudaStream_t stream) {
-  const bool has_bias = p.bias != nullptr;
+void launch_repair_width(const ScanParams& scan, TileParams tiles, int device,
+                         cudaStream_t stream) {
+  const bool has_bias = tiles.bias != nullptr;
   const TileConfig config = tile_config<Elt, kWidth>(device, has_bias);
-  TORCH_CHECK(config.blocks_per_sm > 0, "openwam::repair_dq_rows: the tile kernel (head_dim width ",
+  TORCH_CHECK(config.blocks_per_sm > 0, "openwam::repair_dq_rows: the repair kernel (head_dim width ",
               kWidth, ") does not fit on this GPU's multiprocessors");
-  p.stages = config.stages;
+  tiles.stages = config.stages;
   const int64_t slots = static_cast<int64_t>(config.blocks_per_sm) *
                         at::cuda::getDeviceProperties(device)->multiProcessorCount;
-  const int64_t grid = tile_grid_size(p.n_items, p.tiles_per_head, slots);
-  repair_tile_kernel<Elt, kWidth><<<static_cast<unsigned>(grid), kTileThreads,
-                                    TileSmem{kWidth, has_bias, p.stages}.total(), stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  CUlaunchConfig launch{};
+  launch.gridDimX = static_cast<unsigned>(tile_grid_size(tiles.n_items, slots));
+  launch.gridDimY = launch.gridDimZ = 1;
+  launch.blockDimX = kTileThreads;
+  launch.blockDimY = launch.blockDimZ = 1;
+  launch.sharedMemBytes = static_cast<unsigned>(TileSmem{kWidth, has_bias, tiles.stages}.total());
+  launch.hStream = stream;
+  void* args[] = {const_cast<ScanParams*>(&scan), &tiles};
+  const CUresult status = launch_kernel_ex()(&launch, config.function, args, nullptr);
+  TORCH_CHECK(status == CUDA_SUCCESS, "openwam::repair_dq_rows: launching the repair kernel failed ",
+              "(CUresult ", static_cast<int>(status), ")");
 }
 
 template <class Elt>
-void launch_tiles(const TileParams& p, int device, cudaStream_t stream) {
-  switch (head_dim_width(p.head_dim)) {
-    case 64: return launch_tiles_width<Elt, 64>(p, device, stream);
-    case 128: return launch_tiles_width<Elt, 128>(p, device, stream);
-    case 256: return launch_tiles_width<Elt, 256>(p, device, stream);
+void launch_repair(const ScanParams& scan, const TileParams& tiles, int device,
+                   cudaStream_t stream) {
+  switch (head_dim_width(tiles.head_dim)) {
+    case 64: return launch_repair_width<Elt, 64>(scan, tiles, device, stream);
+    case 128: return launch_repair_width<Elt, 128>(scan, tiles, device, stream);
+    case 256: return launch_repair_width<Elt, 256>(scan, tiles, device, stream);
     default:
-      TORCH_INTERNAL_ASSERT(false, "openwam::repair_dq_rows: head_dim ", p.head_dim,
+      TORCH_INTERNAL_ASSERT(false, "openwam::repair_dq_rows: head_dim ", tiles.head_dim,
                             " over 256");
   }
 }

@@ -1,4 +1,4 @@
-// Moving the tile kernel's operands into shared memory (repair_dq_tile.cuh).
+// Moving the tile phase's operands into shared memory (repair_dq_tile.cuh).
 //
 // Q and dO rows are gathered by index, K and V rows are consecutive keys,
 // the bias tile is the listed rows' bias for one key block. Rows 16-byte

@@ -18,6 +18,8 @@ CUDA graphs (mode="reduce-overhead") replay the fix.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -109,3 +111,36 @@ def test_reduce_overhead_replays_the_fix(mask_kind, ow, suite_results):
     torch._dynamo.reset()
     suite_results.put("compile", f"reduce-overhead mask={mask_kind}", nonfinite_per_call=counts)
     assert counts == [0, 0, 0, 0]
+
+
+_FIRST_REPAIR_CHILD = """
+import math, torch
+import openwam_sdpa
+from openwam_sdpa.adversarial import adversarial_inputs
+a = adversarial_inputs(2, 4, 128, 192, 128, rows="first", target=-115.0 - math.log(192),
+                       dtype=torch.bfloat16, device="cuda", seed=11)
+f = torch.compile(lambda q, k, v: openwam_sdpa.sdpa(q, k, v), mode="reduce-overhead",
+                  fullgraph=True)
+bad = []
+for _ in range(4):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (a.query, a.key, a.value))
+    grads = torch.autograd.grad(f(q, k, v), (q, k, v), a.grad_out)
+    bad.append(sum(int((~g.isfinite()).sum()) for g in grads))
+print("NONFINITE", bad, "REPAIRED", openwam_sdpa.repaired_rows())
+"""
+
+
+def test_first_repair_of_the_process_under_reduce_overhead(ow):
+    """The repair's telemetry counter is made by the first repair of a process.
+    When that repair runs in torch.compile's CUDA-graph warm-up, a counter from
+    PyTorch's caching allocator came from the graph's private pool, and
+    recording then failed ("tensor(s) in the cudagraph pool not tracked as
+    outputs"; H200, 2026-11-30). A fresh process, so that the counter does not
+    exist yet."""
+    child = subprocess.run([sys.executable, "-c", _FIRST_REPAIR_CHILD], capture_output=True,
+                           text=True, timeout=300)
+    log = f"exit {child.returncode}\nstdout:\n{child.stdout}\nstderr:\n{child.stderr[-3000:]}"
+    assert child.returncode == 0, log
+    # Four steps, each with one adversarial row per (b, h) = 8 rows repaired,
+    # the warm-up step included (the captured replays count on the GPU too).
+    assert "NONFINITE [0, 0, 0, 0] REPAIRED 32" in child.stdout, log

@@ -228,8 +228,6 @@ void run_case(const Case<Elt>& c) {
 
   // ---- the kernels, parameters as repair_dq.cu sets them
   const int64_t heads = static_cast<int64_t>(B) * H;
-  std::vector<int32_t> counts(heads, -7);
-  std::vector<RowEntry> rows(heads * SQ, RowEntry{-9, 1e30f});
   unsigned long long counter = 5;
   ScanParams sp{};
   sp.lse = lse.data();
@@ -243,13 +241,7 @@ void run_case(const Case<Elt>& c) {
   sp.head_dim = D;
   sp.dq_vec = aligned_rows(dq, 8);
   sp.threshold = -40.0f;
-  sp.counts = counts.data();
-  sp.rows = rows.data();
   sp.repaired = &counter;
-  emu::launch(static_cast<unsigned>(heads), kScanThreads, kScanThreads / 32 * 4,
-              [&] { scan_head(sp); });
-  EXPECT(static_cast<long>(counter) == 5 + expected_count, "counter %llu, expected 5 + %ld",
-        counter, expected_count);
 
   TileParams tp{};
   tp.q = q.data(), tp.k = k.data(), tp.v = v.data(), tp.o = o.data(), tp.go = go.data();
@@ -264,8 +256,6 @@ void run_case(const Case<Elt>& c) {
     for (int d = 0; d < 3; ++d) aligned = aligned && bs[d] % 8 == 0;
     tp.bias_vec = bs[3] == 1 && aligned;
   }
-  tp.counts = counts.data();
-  tp.rows = rows.data();
   tp.heads = H;
   tp.kv_group = group;
   tp.s_q = SQ;
@@ -280,20 +270,25 @@ void run_case(const Case<Elt>& c) {
            aligned_rows(o, 8) && aligned_rows(go, 8);
   tp.dq_pair = aligned_rows(dq, 2);
   const int width = head_dim_width(D);
-  const int64_t grid = tile_grid_size(tp.n_items, tp.tiles_per_head, c.slots);
   tp.stages = c.stages != 0 ? c.stages
                             : tile_stages(width, has_bias, blocks_per_sm(width), kH200SmemPerSm,
                                           kH200Reserved);
+  // Fewer blocks than heads where the case has few slots: a block's run then
+  // spans heads, and heads span blocks.
+  const int64_t grid = tile_grid_size(tp.n_items, c.slots);
   const int smem = TileSmem{width, has_bias, tp.stages}.total();
   INFO("width " << width << ", stages " << tp.stages << ", grid " << grid << ", vec " << tp.vec
                 << ", bias_vec " << tp.bias_vec << ", rows to recompute " << expected_count);
   const emu::Stats before = emu::stats;
   auto body = [&] {
-    if (width == 64) repair_tiles<Elt, 64>(tp);
-    if (width == 128) repair_tiles<Elt, 128>(tp);
-    if (width == 256) repair_tiles<Elt, 256>(tp);
+    if (width == 64) repair_tiles<Elt, 64>(sp, tp);
+    if (width == 128) repair_tiles<Elt, 128>(sp, tp);
+    if (width == 256) repair_tiles<Elt, 256>(sp, tp);
   };
   emu::launch(static_cast<unsigned>(grid), kTileThreads, smem, body);
+  // Each head counted once, by the block that holds its tile 0.
+  EXPECT(static_cast<long>(counter) == 5 + expected_count, "counter %llu, expected 5 + %ld",
+        counter, expected_count);
   EXPECT(emu::stats.ldsm_conflicts == before.ldsm_conflicts, "ldmatrix bank conflicts");
 
   // ---- check against float64 (dS rounded to the element type, as the
@@ -370,16 +365,56 @@ void layout_checks() {
   for (int lane = 0; lane < 32; ++lane)
     banks |= 1u << (((frag_row(lane, 0) * kBiasPitch + frag_col(lane, 0)) * 2 / 4) % 32);
   EXPECT(banks == 0xffffffffu, "bias tile banks %x", banks);
-  // The grid is coprime with tiles per head and spreads one tile per head
-  // over every block.
-  const int64_t tph = 11, heads = 384, grid = tile_grid_size(heads * tph, tph, 264);
-  EXPECT(gcd64(grid, tph) == 1, "grid %" PRId64, grid);
-  std::vector<int> load(grid, 0);
-  for (int64_t h = 0; h < heads; ++h) ++load[(h * tph) % grid];
-  const int mx = *std::max_element(load.begin(), load.end());
-  EXPECT(mx == (heads + grid - 1) / grid, "max load %d", mx);
-  EXPECT(tile_grid_size(5, 64, 264) == 5, "small");
-  EXPECT(tile_grid_size(6144, 64, 264) == 263, "%" PRId64, tile_grid_size(6144, 64, 264));
+  // The grid: one block per slot at most, and the runs of items cover every
+  // item once, in runs whose lengths differ by at most one.
+  EXPECT(tile_grid_size(5, 264) == 5, "small");
+  EXPECT(tile_grid_size(6144, 264) == 264, "%" PRId64, tile_grid_size(6144, 264));
+  EXPECT(tile_grid_size(0, 264) == 1, "empty");
+  for (const int64_t n : {1L, 7L, 4224L, 6144L}) {
+    const int64_t g = tile_grid_size(n, 264);
+    int64_t covered = 0, shortest = n, longest = 0;
+    for (int64_t b = 0; b < g; ++b) {
+      const int64_t len = (b + 1) * n / g - b * n / g;
+      EXPECT(b * n / g == covered, "run %" PRId64 " starts at %" PRId64, b, b * n / g);
+      covered += len;
+      shortest = std::min(shortest, len);
+      longest = std::max(longest, len);
+    }
+    EXPECT(covered == n && longest - shortest <= 1, "n %" PRId64, n);
+  }
+  // Where the work lands: per block, the tiles of work its run holds (the
+  // kernel's own placement functions), for the benchmark's shapes and
+  // shares on an H200's slots. No block gets more than one tile above the
+  // even share; with each head's work at its first items instead, a block
+  // got 7 at 4096x4032 and 10% of rows (the even share is 3).
+  struct Grid { int64_t heads, s_q, slots; };
+  for (const Grid g : {Grid{384, 704, 264}, Grid{768, 360, 264}, Grid{96, 4096, 264},
+                       Grid{96, 4096, 396}, Grid{384, 704, 396}}) {
+    const int64_t tiles = (g.s_q + kTileRows - 1) / kTileRows, n = g.heads * tiles;
+    const int64_t grid = tile_grid_size(n, g.slots);
+    for (const int64_t count : {int64_t{1}, g.s_q / 10, g.s_q}) {
+      int64_t most = 0, total = 0;
+      for (int64_t b = 0; b < grid; ++b) {
+        int64_t load = 0;
+        const int64_t end = (b + 1) * n / grid;
+        for (int64_t item = b * n / grid; item < end;) {
+          const int64_t head = item_head(item, tiles), first = item_tile(item, tiles);
+          const int64_t end_tile = std::min(tiles, first + (end - item));
+          const int64_t n_work = work_tiles(count), stride = work_stride(n_work, tiles);
+          for (int64_t j = first_work(first, stride); j < n_work && j * stride < end_tile; ++j) {
+            ++load;
+          }
+          item = head * tiles + end_tile;
+        }
+        most = std::max(most, load);
+        total += load;
+      }
+      EXPECT(total == g.heads * work_tiles(count), "every tile of work once: %" PRId64, total);
+      EXPECT(most <= (total + grid - 1) / grid + 1, "%" PRId64 " heads x %" PRId64
+             " rows, %" PRId64 " affected: a block holds %" PRId64 " of %" PRId64 " tiles",
+             g.heads, g.s_q, count, most, total);
+    }
+  }
   // The split ldmatrix offsets equal the swizzled ones for every row whose
   // last 3 bits are the lane's.
   for (int lane = 0; lane < 32; ++lane)
@@ -456,6 +491,20 @@ TEST_CASE("repair kernels emulated on the CPU", "[repair][emulated]") {
     c = Case<Bf16>();
     c.name = "bf16 d64 many empty items, grid 1";
     c.B = 2, c.H = 3, c.Hkv = 1, c.s_q = 1400, c.s_kv = 40, c.share = -1, c.slots = 1;
+    bf.push_back(c);
+    // Runs of items that start and end inside heads: a block resumes a head at
+    // its tile 3 (finding ranks 192.. from row 0), and only the block that
+    // holds tile 0 zeroes the -inf rows and counts the head.
+    c = Case<Bf16>();
+    c.name = "bf16 d64 all rows 300x40, runs across heads";
+    c.H = 3, c.Hkv = 3, c.s_q = 300, c.s_kv = 40, c.share = 1.0, c.slots = 4;
+    bf.push_back(c);
+    // Ranks that straddle the 512-row rounds of the row walk, resumed by the
+    // next tile and by the next block's run; about 6 tiles of work per head,
+    // every third of its 18 items.
+    c.name = "bf16 d64 share 0.3 1100x40 row bias masked rows, runs across rounds";
+    c.H = 2, c.Hkv = 2, c.s_q = 1100, c.share = 0.3, c.slots = 5;
+    c.bias = Case<Bf16>::kRows, c.masked_rows = 5;
     bf.push_back(c);
     Case<Fp16> f;
     f.name = "fp16 d128 share 0.4 130x100";
