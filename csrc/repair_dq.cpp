@@ -83,6 +83,13 @@ int64_t* repaired_rows_counter(const c10::Device& device) {
     // Once per device and process: the zero is in place before any kernel
     // on any stream can read it.
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index());
+    // Another thread may be capturing a CUDA graph in the global mode, which
+    // forbids cudaMalloc and synchronisation on every thread: these touch no
+    // captured stream (PyTorch's caching allocator does the same). Not
+    // covered: a capture on a blocking stream of the user's while this
+    // thread's current stream is the legacy default stream, which
+    // synchronises with it (PyTorch's own streams are non-blocking).
+    const c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
     void* p = nullptr;
     C10_CUDA_CHECK(cudaMalloc(&p, sizeof(int64_t)));
     C10_CUDA_CHECK(cudaMemsetAsync(p, 0, sizeof(int64_t), stream));

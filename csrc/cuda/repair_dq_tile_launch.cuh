@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bitset>
 #include <mutex>
 
 #include "repair_dq_layout.cuh"
@@ -72,9 +73,26 @@ inline LaunchKernelEx launch_kernel_ex() {
   return fn;
 }
 
+constexpr int kMaxDevices = 64;
+
+// The driver API launches in the thread's current context, which a thread
+// whose first CUDA call is the repair does not have: the runtime binds a
+// device's primary context lazily, on a thread's first runtime call that
+// needs it, and CUDAGuard skips cudaSetDevice when the device is already the
+// thread's current one (device 0 on a fresh thread). So each thread binds it
+// once per device (from CUDA 12, cudaSetDevice makes the primary context
+// current at once). Afterwards the current context follows the current
+// device: CUDAGuard's cudaSetDevice binds it on every switch.
+inline void bind_primary_context(int device) {
+  thread_local std::bitset<kMaxDevices> bound;
+  if (!bound.test(device)) {
+    C10_CUDA_CHECK(cudaSetDevice(device));
+    bound.set(device);
+  }
+}
+
 template <class Elt, int kWidth>
 TileConfig tile_config(int device, bool has_bias) {
-  constexpr int kMaxDevices = 64;
   static std::array<std::array<TileConfig, 2>, kMaxDevices> configs{};
   static std::array<std::once_flag, kMaxDevices> once;
   TORCH_CHECK(device >= 0 && device < kMaxDevices, "openwam::repair_dq_rows: device index ",
@@ -123,6 +141,7 @@ void launch_repair_width(const ScanParams& scan, TileParams tiles, int device,
   launch.sharedMemBytes = static_cast<unsigned>(TileSmem{kWidth, has_bias, tiles.stages}.total());
   launch.hStream = stream;
   void* args[] = {const_cast<ScanParams*>(&scan), &tiles};
+  bind_primary_context(device);
   const CUresult status = launch_kernel_ex()(&launch, config.function, args, nullptr);
   TORCH_CHECK(status == CUDA_SUCCESS, "openwam::repair_dq_rows: launching the repair kernel failed ",
               "(CUresult ", static_cast<int>(status), ")");

@@ -23,6 +23,8 @@ CUDA-graph capture and replay; stock cuDNN's own NaN dQ repaired.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import zlib
 from typing import NamedTuple, Optional
 
@@ -327,3 +329,49 @@ def test_repaired_rows_counter(ow):
     assert ow.repaired_rows() == expected
     assert ow.repaired_rows(reset=True) == expected
     assert ow.repaired_rows() == 0
+
+
+_FRESH_THREAD_CHILD = """
+import threading, torch
+import openwam_sdpa  # registers torch.ops.openwam
+from openwam_sdpa.adversarial import adversarial_inputs
+q, k, v, go, affected = adversarial_inputs(2, 4, 128, 192, 128, rows="one_per_head",
+                                           device="cuda", seed=6)
+out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0,
+                                                              False, False)[:2]
+def repair(dq):
+    torch.ops.openwam._repair_dq_(dq, go, q, k, v, out, lse, None, False, 128 ** -0.5)
+eager = torch.full_like(q, float("nan"))
+threaded = torch.full_like(q, float("nan"))
+repair(eager)  # the kernel's one-time set-up, on this thread
+torch.cuda.synchronize()
+errors = []
+def worker():  # its first CUDA call is the repair's launch
+    try:
+        repair(threaded)
+    except Exception as e:
+        errors.append(repr(e))
+t = threading.Thread(target=worker)
+t.start()
+t.join()
+torch.cuda.synchronize()
+rows = lse.squeeze(-1) < -40.0
+print("ERRORS", errors, "AFFECTED", int(rows.sum()),
+      "SAME", bool(torch.equal(eager[rows], threaded[rows])),
+      "NONFINITE", int((~threaded[rows].isfinite()).sum()))
+"""
+
+
+def test_first_cuda_call_of_a_thread_is_the_repair():
+    """The repair launches through the driver API (cuLaunchKernelEx), which
+    needs a current context, unlike the runtime's launches. A thread whose
+    first CUDA call is the repair on device 0 has none: CUDAGuard skips
+    cudaSetDevice when the device is already the thread's current one. Each
+    thread binds the device's primary context before its first launch. A
+    fresh process, so that nothing else has bound a context on the new
+    thread."""
+    child = subprocess.run([sys.executable, "-c", _FRESH_THREAD_CHILD], capture_output=True,
+                           text=True, timeout=300)
+    log = f"exit {child.returncode}\nstdout:\n{child.stdout}\nstderr:\n{child.stderr[-3000:]}"
+    assert child.returncode == 0, log
+    assert "ERRORS [] AFFECTED 8 SAME True NONFINITE 0" in child.stdout, log
