@@ -5,12 +5,14 @@ share of affected rows, beside stock cuDNN's backward and forward+backward.
 
 Shapes (issue 12), bf16, head_dim 128 and 64: 16x24x704x704 (no mask),
 32x24x360x64 (a bool key mask, passed as the additive -inf bias the cuDNN
-path gives the repair), 4x24x4096x4032 (no mask). Shares: no row, one row
+path gives the repair), 4x24x4096x4032 (no mask); and 64x32x32x200, many
+short heads (2048 heads of one tile: each block walks about eight heads one
+after another). Shares: no row, one row
 per (b, h), 10% of rows, every row, built with openwam_sdpa.adversarial.
 
 Each timing is benchmarks/timing.py's device_ms: a spin kernel holds the GPU
-while every repeat is enqueued, so the events bracket only the repair's two
-kernels (median of the repeats). The output and logsumexp the repair reads
+while every repeat is enqueued, so the events bracket only the repair's kernel
+(median of the repeats). The output and logsumexp the repair reads
 come from stock cuDNN's forward. Printed per case: affected rows, repair ms,
 the bytes it must move (logsumexp; Q, dO, O and dQ of each affected row; K
 and V once per head with an affected row) over its time, the useful FLOPs
@@ -41,6 +43,7 @@ SHAPES = [  # B, H, s_q, s_kv, mask
     (16, 24, 704, 704, "none"),
     (32, 24, 360, 64, "bool"),
     (4, 24, 4096, 4032, "none"),
+    (64, 32, 32, 200, "none"),
 ]
 SHARES = ("none", "one_per_head", 0.1, "all")
 

@@ -117,6 +117,22 @@ OPENWAM_HD int64_t first_work(int64_t first_tile, int64_t stride) {
   return (first_tile + stride - 1) / stride;
 }
 
+// The work tiles begin <= j < end of a head with `count` affected rows whose
+// items j s lie in its tiles first_tile .. end_tile - 1: those a block whose
+// run holds these tiles of the head recomputes (repair_tiles; the tests
+// check that every work tile falls to exactly one block). j s < end_tile
+// exactly when j < first_work(end_tile, s).
+struct WorkRange {
+  int64_t begin, end;
+};
+OPENWAM_HD WorkRange work_range(int64_t count, int64_t tiles_per_head, int64_t first_tile,
+                                int64_t end_tile) {
+  const int64_t n_work = work_tiles(count);
+  const int64_t stride = work_stride(n_work, tiles_per_head);
+  const int64_t end = cmin(n_work, first_work(end_tile, stride));
+  return WorkRange{cmin(first_work(first_tile, stride), end), end};
+}
+
 // Grid size of the repair kernel: at most one block per resident slot
 // (`slots` = blocks per SM x SMs; a block walks its run of items).
 inline int64_t tile_grid_size(int64_t n_items, int64_t slots) {

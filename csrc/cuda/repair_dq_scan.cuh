@@ -10,8 +10,9 @@
 //   - count_head: one walk over the whole head. Gives the count; the head's
 //     owner (the block that holds its tile 0) also writes zeros to the dQ
 //     rows whose logsumexp is -inf (the row sees no key: its output and
-//     gradient are 0; cuDNN may have left NaN there) and adds the count to
-//     the telemetry counter.
+//     gradient are 0; cuDNN may have left NaN there), adds the count to the
+//     telemetry counter, and gathers the rows of its first tile of work
+//     (ranks 0..63: tile 0's), so that it needs no second walk for them.
 //   - gather_rows: the rows of ranks lo .. hi - 1 into shared memory,
 //     resuming where the previous tile's walk stopped (RowCursor).
 // Nothing is kept between blocks or launches: no workspace, no barrier. On
@@ -64,17 +65,18 @@ __device__ __forceinline__ void zero_row(uint16_t* row, int head_dim, bool vec, 
 }
 
 // One walk over head `head` from `cursor`, round by round, until the round
-// in which rank `hi` is reached (or the head ends). Rows of rank lo .. hi - 1
-// go to s_row[rank - lo] (query row) and s_lse2[rank - lo] (logsumexp *
-// log2 e) when s_row is not nullptr; -inf rows get zeros when `zero_empty`.
+// in which rank `stop` is reached (or the head ends: stop = INT32_MAX). Rows
+// of rank lo .. hi - 1 go to s_row[rank - lo] (query row) and
+// s_lse2[rank - lo] (logsumexp * log2 e) when s_row is not nullptr; -inf
+// rows get zeros when `zero_empty`.
 // Returns the number of affected rows seen from the cursor on; leaves the
 // cursor at the start of the last round walked, so that the next walk (ranks
-// from hi on) reads that round again. All threads of the block call it, and
+// from `stop` on) reads that round again. All threads of the block call it, and
 // get the same result; `warp_sums` is kScanThreads / 32 ints of shared
 // memory.
 __device__ __forceinline__ int walk_rows(const ScanParams& p, int64_t head, RowCursor& cursor,
-                                         int lo, int hi, int* s_row, float* s_lse2,
-                                         bool zero_empty, int* warp_sums) {
+                                         int lo, int hi, int stop, int* s_row,
+                                         float* s_lse2, bool zero_empty, int* warp_sums) {
   constexpr int kWarps = kScanThreads / 32;
   constexpr int kRowsPerRound = kScanThreads * kScanRowsPerThread;
   const int tid = threadIdx.x;
@@ -143,7 +145,7 @@ __device__ __forceinline__ int walk_rows(const ScanParams& p, int64_t head, RowC
       }
     }
     __syncthreads();  // warp_sums is rewritten next round
-    if (cursor.rank + seen + round_total >= hi) {  // rank hi lies in this round
+    if (cursor.rank + seen + round_total >= stop) {  // rank `stop` lies in this round
       cursor.rank += seen;
       cursor.row = first;
       return seen + round_total;
@@ -156,11 +158,13 @@ __device__ __forceinline__ int walk_rows(const ScanParams& p, int64_t head, RowC
 }
 
 // The number of affected rows of head `head`; the owner also zeroes the -inf
-// rows and counts the rows for the telemetry.
+// rows, counts the rows for the telemetry and puts the rows of ranks
+// 0 .. kTileRows - 1 into s_row / s_lse2.
 __device__ __forceinline__ int count_head(const ScanParams& p, int64_t head, bool owner,
-                                          int* warp_sums) {
+                                          int* s_row, float* s_lse2, int* warp_sums) {
   RowCursor start;
-  const int count = walk_rows(p, head, start, 0, INT32_MAX, nullptr, nullptr, owner, warp_sums);
+  const int count = walk_rows(p, head, start, 0, kTileRows, INT32_MAX, owner ? s_row : nullptr,
+                              s_lse2, owner, warp_sums);
   if (owner && threadIdx.x == 0 && count > 0 && p.repaired != nullptr) {
     atomicAdd(p.repaired, static_cast<unsigned long long>(count));
   }
@@ -172,7 +176,7 @@ __device__ __forceinline__ int count_head(const ScanParams& p, int64_t head, boo
 __device__ __forceinline__ void gather_rows(const ScanParams& p, int64_t head, RowCursor& cursor,
                                             int lo, int hi, int* s_row, float* s_lse2,
                                             int* warp_sums) {
-  walk_rows(p, head, cursor, lo, hi, s_row, s_lse2, false, warp_sums);
+  walk_rows(p, head, cursor, lo, hi, hi, s_row, s_lse2, false, warp_sums);
 }
 
 }  // namespace repair

@@ -52,6 +52,11 @@
 #include "repair_dq_ptx.cuh"
 #endif
 
+// For the CPU emulation tests: they record each tile of work a block recomputes.
+#ifndef OPENWAM_REPAIR_TRACE_TILE
+#define OPENWAM_REPAIR_TRACE_TILE(head, work, n_rows) ((void)0)
+#endif
+
 namespace openwam {
 namespace repair {
 
@@ -86,7 +91,7 @@ struct TileParams {
 // repair_tile: held in registers through it, the run's state spilled
 // (repair_tile takes all 255 at head_dim 128).
 struct RunState {
-  int64_t end, head, work, stride, end_tile;
+  int64_t end, head, work, work_end, end_tile;
   RowCursor cursor;
   int count;
 };
@@ -385,39 +390,51 @@ __device__ __forceinline__ void repair_tiles(const ScanParams& scan, const TileP
     int64_t head = item_head(item, tiles);
     const int64_t first_tile = item_tile(item, tiles);
     int64_t end_tile = cmin(tiles, first_tile + (end - item));
-    // The block holding a head's tile 0 owns its -inf rows and telemetry.
-    int count = count_head(scan, head, first_tile == 0, hdr.warp_sums);
+    // The block holding a head's tile 0 owns its -inf rows and telemetry,
+    // and recomputes its tile of work 0 (at item 0): the count walk gathers
+    // that tile's rows (one walk per head less where one tile holds all of a
+    // head's rows, as with one affected row per head).
+    int count = count_head(scan, head, first_tile == 0, hdr.row, hdr.lse2, hdr.warp_sums);
     // The head's n_work tiles with rows sit at items 0, stride, 2 stride, ...
     // of the head, spread over its items so that every block's run gets its
     // share of them (at 10% of rows, the rows of 64-row ranks 0..6 of a
     // 4032-key head would otherwise all fall to the one block holding its
-    // first items).
-    const int64_t n_work = work_tiles(count);
-    int64_t stride = work_stride(n_work, tiles);
+    // first items). This run's share: those at its tiles of the head.
+    const WorkRange work = work_range(count, tiles, first_tile, end_tile);
+    int64_t work_end = work.end;
     RowCursor cursor;
-    for (int64_t j = first_work(first_tile, stride); j < n_work && j * stride < end_tile; ++j) {
+    for (int64_t j = work.begin; j < work_end; ++j) {
       const int lo = static_cast<int>(j * kTileRows);
       const int n_rows = cmin(kTileRows, count - lo);
       if (threadIdx.x < kTileRows && static_cast<int>(threadIdx.x) >= n_rows) {
         hdr.row[threadIdx.x] = -1;
         hdr.lse2[threadIdx.x] = INFINITY;
       }
-      gather_rows(scan, head, cursor, lo, lo + n_rows, hdr.row, hdr.lse2, hdr.warp_sums);
+      if (j == 0) {
+        // The rows came with count_head, whose last barrier orders them, and
+        // repair_tile reads the -1 slots only after barriers of its own; this
+        // one keeps the gather path's rule (the header complete before
+        // repair_tile) for one barrier per head.
+        __syncthreads();
+      } else {
+        gather_rows(scan, head, cursor, lo, lo + n_rows, hdr.row, hdr.lse2, hdr.warp_sums);
+      }
       if (threadIdx.x == 0) {  // read back after repair_tile's closing barrier
         hdr.run->end = end;
         hdr.run->head = head;
         hdr.run->work = j;
-        hdr.run->stride = stride;
+        hdr.run->work_end = work_end;
         hdr.run->end_tile = end_tile;
         hdr.run->cursor.row = cursor.row;
         hdr.run->cursor.rank = cursor.rank;
         hdr.run->count = count;
       }
+      OPENWAM_REPAIR_TRACE_TILE(head, j, n_rows);
       repair_tile<Elt, kWidth>(p, layout, hdr, head, n_rows);
       end = hdr.run->end;
       head = hdr.run->head;
       j = hdr.run->work;
-      stride = hdr.run->stride;
+      work_end = hdr.run->work_end;
       end_tile = hdr.run->end_tile;
       cursor.row = hdr.run->cursor.row;
       cursor.rank = hdr.run->cursor.rank;

@@ -9,6 +9,7 @@
 // instead, so a stage refilled before every warp is done with it shows up. Shared memory starts
 // filled with 0xff bytes (NaN in bf16/fp16) so that unwritten reads show.
 // Semantics follow the PTX ISA (ldmatrix, mma.m16n8k16 fragment layouts).
+// OPENWAM_REPAIR_TRACE_TILE records each tile of work in emu::tile_trace.
 #pragma once
 
 #define OPENWAM_REPAIR_EMULATE 1
@@ -277,6 +278,25 @@ inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v)
   *p += v;
   return old;
 }
+
+namespace emu {
+
+// The tiles of work repair_tiles recomputes, in launch order: a tile repaired
+// twice writes the same values, so only this record shows it.
+struct TileRecord {
+  unsigned block;
+  int64_t head, work;
+  int n_rows;
+};
+inline std::vector<TileRecord> tile_trace;
+
+inline void trace_tile(int64_t head, int64_t work, int n_rows) {
+  if (cur->tid.x == 0) tile_trace.push_back({blk->bid.x, head, work, n_rows});
+}
+
+}  // namespace emu
+
+#define OPENWAM_REPAIR_TRACE_TILE(head, work, n_rows) emu::trace_tile((head), (work), (n_rows))
 
 namespace openwam {
 namespace repair {

@@ -21,6 +21,7 @@
 
 #include "cuda/repair_dq_layout.cuh"
 #include "cuda/repair_dq_tile.cuh"
+#include "scan_params.h"
 
 using namespace openwam::repair;
 
@@ -109,19 +110,8 @@ double worst_row_error() {
   std::vector<float> lse_given(lse.begin(), lse.end());
   for (int i = listed[1]; i < kSq; ++i) lse_given[kSq + i] = 0.0f;
   unsigned long long counter = 0;
-  ScanParams sp{};
-  sp.lse = lse_given.data();
-  sp.lse_b = static_cast<int64_t>(kHeads) * kSq;
-  sp.lse_h = kSq;
-  sp.lse_s = 1;
-  sp.dq = dq.v.data();
-  sp.dq_b = dq.strides().b, sp.dq_h = dq.strides().h, sp.dq_s = dq.strides().s;
-  sp.heads = kHeads;
-  sp.s_q = kSq;
-  sp.head_dim = kD;
-  sp.dq_vec = true;
-  sp.threshold = -40.0f;
-  sp.repaired = &counter;
+  const ScanParams sp =
+      scan_params(lse_given.data(), kHeads, kSq, dq.v.data(), dq.strides(), kD, true, &counter);
 
   TileParams tp{};
   tp.q = q.v.data(), tp.k = k.v.data(), tp.v = v.v.data(), tp.o = o.v.data(), tp.go = go.v.data();

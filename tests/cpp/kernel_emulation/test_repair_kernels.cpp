@@ -4,20 +4,26 @@
 // other rows bit-identical, the telemetry count, no bank conflict in any
 // ldmatrix. Each case runs twice: with cp.async data landing at its wait
 // (shows a missing wait) and landing at once with warps drifting apart
-// (shows a stage refilled before every warp is done with it). Also the pure
-// index math of repair_dq_layout.cuh. No GPU, no libtorch needed.
+// (shows a stage refilled before every warp is done with it); each tile of
+// work recomputed exactly once (OPENWAM_REPAIR_TRACE_TILE). Also the pure
+// index math of repair_dq_layout.cuh (every tile of work to exactly one
+// block, over all small grids), and the row walk of repair_dq_scan.cuh alone.
+// No GPU, no libtorch needed.
 #include "simt_emu.h"  // first: it stands in for the CUDA features
 
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cinttypes>
+#include <numeric>
 #include <random>
 #include <string>
 
 #include "cuda/repair_dq_layout.cuh"
 #include "cuda/repair_dq_scan.cuh"
 #include "cuda/repair_dq_tile.cuh"
+#include "scan_params.h"
 
 using namespace openwam::repair;
 
@@ -85,6 +91,7 @@ struct Case {
   enum { kNoBias, kKeyPad, kRows, kFull } bias = kNoBias;
   Layout layout = Layout::kBhsd;
   double share = 1.0;        // of rows made adversarial; < 0: one per head
+  int rows_per_head = 0;     // > 0: exactly this many adversarial rows per head (share unused)
   int slots = 5;             // resident blocks the grid size assumes
   int masked_rows = 0;       // rows with every key hidden (needs a row bias)
   bool nan_lse_row = false;  // one row gets lse NaN: must stay untouched
@@ -100,6 +107,63 @@ double to_d(uint16_t x, bool fp16) {
 }
 uint16_t from_d(double x, bool fp16) {
   return fp16 ? float_to_f16(static_cast<float>(x)) : float_to_bf16(static_cast<float>(x));
+}
+
+// ---------------------------------------------------------------- work placement
+// Block b's run of items as repair_tiles walks it: visit(head, work) for each
+// head the run reaches, `work` the tiles of work of the head that the block
+// recomputes; count_of(head): the head's affected rows.
+template <class CountOf, class Visit>
+void walk_run(int64_t b, int64_t grid, int64_t n_items, int64_t tiles, CountOf count_of,
+              Visit visit) {
+  const int64_t end = (b + 1) * n_items / grid;
+  for (int64_t item = b * n_items / grid; item < end;) {
+    const int64_t head = item_head(item, tiles), first_tile = item_tile(item, tiles);
+    const int64_t end_tile = std::min(tiles, first_tile + (end - item));
+    visit(head, work_range(count_of(head), tiles, first_tile, end_tile));
+    item = head * tiles + end_tile;
+  }
+}
+
+// The tiles of work an emulated launch recomputed (emu::tile_trace) against
+// the heads' affected rows: each tile j of a head's work_tiles(count) once,
+// with min(64, count - 64 j) rows, by the block whose run holds its item.
+// (A tile recomputed twice writes the same values: dQ cannot show it.)
+void check_tile_trace(const std::vector<emu::TileRecord>& trace,
+                      const std::vector<int64_t>& affected, int64_t tiles, int64_t grid) {
+  const int64_t heads = static_cast<int64_t>(affected.size()), n_items = heads * tiles;
+  std::vector<std::vector<int>> times(heads);  // [head][j]: how often tile j was recomputed
+  for (int64_t head = 0; head < heads; ++head) times[head].assign(work_tiles(affected[head]), 0);
+  std::vector<int64_t> recorded(heads, 0);
+  long stray = 0, wrong_rows = 0, wrong_block = 0;
+  for (const emu::TileRecord& t : trace) {
+    if (t.head < 0 || t.head >= heads) {
+      ++stray;
+      continue;
+    }
+    ++recorded[t.head];
+    const int64_t count = affected[t.head], n_work = work_tiles(count);
+    if (t.work < 0 || t.work >= n_work) {
+      ++stray;
+      continue;
+    }
+    ++times[t.head][t.work];
+    wrong_rows += t.n_rows != std::min<int64_t>(kTileRows, count - t.work * kTileRows);
+    const int64_t item = t.head * tiles + t.work * work_stride(n_work, tiles);
+    const int64_t block = t.block;
+    wrong_block += item < block * n_items / grid || item >= (block + 1) * n_items / grid;
+  }
+  EXPECT(stray == 0, "%ld tiles recomputed outside a head's tiles of work", stray);
+  EXPECT(wrong_rows == 0, "%ld tiles recomputed with a wrong number of rows", wrong_rows);
+  EXPECT(wrong_block == 0, "%ld tiles recomputed by a block whose run lacks their item",
+         wrong_block);
+  for (int64_t head = 0; head < heads; ++head) {
+    const auto once = std::count(times[head].begin(), times[head].end(), 1);
+    EXPECT(recorded[head] == work_tiles(affected[head]) &&
+               once == static_cast<long>(times[head].size()),
+           "head %" PRId64 ", %" PRId64 " rows: %" PRId64 " tiles recomputed, %ld of its %zu once",
+           head, affected[head], recorded[head], static_cast<long>(once), times[head].size());
+  }
 }
 
 template <class Elt>
@@ -127,8 +191,17 @@ void run_case(const Case<Elt>& c) {
     }
     for (int h = 0; h < H; ++h) {
       const int one = static_cast<int>(uni(rng) * SQ);
+      std::vector<char> picked(SQ, 0);  // rows_per_head: the first of a random order
+      if (c.rows_per_head > 0) {
+        std::vector<int> order(SQ);
+        std::iota(order.begin(), order.end(), 0);
+        std::shuffle(order.begin(), order.end(), rng);
+        for (int r = 0; r < std::min(c.rows_per_head, SQ); ++r) picked[order[r]] = 1;
+      }
       for (int i = 0; i < SQ; ++i) {
-        const bool adv = c.share < 0 ? i == one : uni(rng) < c.share;
+        const bool adv = c.rows_per_head > 0 ? picked[i] != 0
+                         : c.share < 0        ? i == one
+                                              : uni(rng) < c.share;
         adversarial[(static_cast<size_t>(b) * H + h) * SQ + i] = adv;
         const double m = -target / (amp * scale);
         for (int d = 0; d < D; ++d) {
@@ -212,13 +285,15 @@ void run_case(const Case<Elt>& c) {
   // kernel must write (rows to recompute and -inf rows).
   std::vector<char> kind(lse.size());  // 0 keep, 1 recompute, 2 zero
   long expected_count = 0;
+  std::vector<int64_t> affected(static_cast<size_t>(B) * H, 0);  // rows to recompute, per head
   for (int b = 0; b < B; ++b) {
     for (int h = 0; h < H; ++h) {
       for (int i = 0; i < SQ; ++i) {
         const float l = lse[(static_cast<size_t>(b) * H + h) * SQ + i];
-        const char kd = l == -INFINITY ? 2 : (l < -40.0f ? 1 : 0);
+        const char kd = l == -INFINITY ? 2 : (l < kTestLseThreshold ? 1 : 0);
         kind[(static_cast<size_t>(b) * H + h) * SQ + i] = kd;
         expected_count += kd == 1;
+        affected[static_cast<size_t>(b) * H + h] += kd == 1;
         for (int d = 0; d < D; ++d)
           dq.at(b, h, i, d) = kd == 0 ? from_d(normal(rng), kFp16) : from_d(NAN, kFp16);
       }
@@ -229,24 +304,13 @@ void run_case(const Case<Elt>& c) {
   // ---- the kernels, parameters as repair_dq.cu sets them
   const int64_t heads = static_cast<int64_t>(B) * H;
   unsigned long long counter = 5;
-  ScanParams sp{};
-  sp.lse = lse.data();
-  sp.lse_b = static_cast<int64_t>(H) * SQ;
-  sp.lse_h = SQ;
-  sp.lse_s = 1;
-  sp.dq = dq.data();
-  sp.dq_b = dq.stride[0], sp.dq_h = dq.stride[1], sp.dq_s = dq.stride[2];
-  sp.heads = H;
-  sp.s_q = SQ;
-  sp.head_dim = D;
-  sp.dq_vec = aligned_rows(dq, 8);
-  sp.threshold = -40.0f;
-  sp.repaired = &counter;
+  auto st = [](const Tensor4& t) { return RowStrides{t.stride[0], t.stride[1], t.stride[2]}; };
+  const ScanParams sp =
+      scan_params(lse.data(), H, SQ, dq.data(), st(dq), D, aligned_rows(dq, 8), &counter);
 
   TileParams tp{};
   tp.q = q.data(), tp.k = k.data(), tp.v = v.data(), tp.o = o.data(), tp.go = go.data();
   tp.dq = dq.data();
-  auto st = [](const Tensor4& t) { return RowStrides{t.stride[0], t.stride[1], t.stride[2]}; };
   tp.q_st = st(q), tp.k_st = st(k), tp.v_st = st(v), tp.o_st = st(o), tp.go_st = st(go),
   tp.dq_st = st(dq);
   if (has_bias) {
@@ -285,7 +349,14 @@ void run_case(const Case<Elt>& c) {
     if (width == 128) repair_tiles<Elt, 128>(sp, tp);
     if (width == 256) repair_tiles<Elt, 256>(sp, tp);
   };
+  emu::tile_trace.clear();
   emu::launch(static_cast<unsigned>(grid), kTileThreads, smem, body);
+  if (c.rows_per_head > 0 && c.masked_rows == 0) {  // the case holds the work it names
+    for (size_t head = 0; head < affected.size(); ++head)
+      EXPECT(affected[head] == c.rows_per_head, "head %zu: %" PRId64 " rows to recompute", head,
+             affected[head]);
+  }
+  check_tile_trace(emu::tile_trace, affected, tp.tiles_per_head, grid);
   // Each head counted once, by the block that holds its tile 0.
   EXPECT(static_cast<long>(counter) == 5 + expected_count, "counter %llu, expected 5 + %ld",
         counter, expected_count);
@@ -396,16 +467,8 @@ void layout_checks() {
       int64_t most = 0, total = 0;
       for (int64_t b = 0; b < grid; ++b) {
         int64_t load = 0;
-        const int64_t end = (b + 1) * n / grid;
-        for (int64_t item = b * n / grid; item < end;) {
-          const int64_t head = item_head(item, tiles), first = item_tile(item, tiles);
-          const int64_t end_tile = std::min(tiles, first + (end - item));
-          const int64_t n_work = work_tiles(count), stride = work_stride(n_work, tiles);
-          for (int64_t j = first_work(first, stride); j < n_work && j * stride < end_tile; ++j) {
-            ++load;
-          }
-          item = head * tiles + end_tile;
-        }
+        walk_run(b, grid, n, tiles, [&](int64_t) { return count; },
+                 [&](int64_t, WorkRange work) { load += work.end - work.begin; });
         most = std::max(most, load);
         total += load;
       }
@@ -437,10 +500,341 @@ void layout_checks() {
         "widths");
 }
 
+// work_range, which picks the tiles of work a block recomputes, against a
+// brute-force loop over j; then whole launches of the index math: for heads
+// of 1..40 tiles, 1..5 heads and every grid size up to one block per item,
+// every tile of work of every head falls to exactly one block. Counts: 0 and
+// both ends of each 64-row band (the range depends on count only through
+// work_tiles), every band, the heads of a launch in different bands.
+void work_placement_checks() {
+  constexpr int64_t kMaxTiles = 40, kMaxHeads = 5;
+  auto band_ends = [](int64_t w) {
+    return w == 0 ? std::vector<int64_t>{0} : std::vector<int64_t>{64 * w - 63, 64 * w};
+  };
+  for (int64_t tiles = 1; tiles <= kMaxTiles; ++tiles) {
+    long bad = 0;
+    char first_bad[160] = "";
+    for (int64_t n_work = 0; n_work <= tiles; ++n_work) {
+      const int64_t stride = work_stride(n_work, tiles);
+      for (const int64_t count : band_ends(n_work)) {
+        for (int64_t first = 0; first <= tiles; ++first) {
+          for (int64_t end = first; end <= tiles; ++end) {
+            int64_t lo = 0, hi = 0;  // the j with first <= j stride < end: lo .. hi - 1
+            for (int64_t j = 0; j < n_work; ++j) {
+              if (j * stride < first || j * stride >= end) continue;
+              if (hi == 0) lo = j;
+              hi = j + 1;
+            }
+            const WorkRange work = work_range(count, tiles, first, end);
+            const bool ok = hi > 0 ? work.begin == lo && work.end == hi : work.begin == work.end;
+            if (!ok && bad++ == 0) {
+              std::snprintf(first_bad, sizeof first_bad,
+                            "count %" PRId64 ", tiles [%" PRId64 ", %" PRId64 "): j [%" PRId64
+                            ", %" PRId64 "), brute force [%" PRId64 ", %" PRId64 ")",
+                            count, first, end, work.begin, work.end, lo, hi);
+            }
+          }
+        }
+      }
+    }
+    EXPECT(bad == 0, "%" PRId64 " tiles per head, %ld ranges wrong, first %s", tiles, bad,
+           first_bad);
+  }
+
+  for (int64_t tiles = 1; tiles <= kMaxTiles; ++tiles) {
+    for (int64_t heads = 1; heads <= kMaxHeads; ++heads) {
+      const int64_t n_items = heads * tiles;
+      long bad = 0;
+      char first_bad[160] = "";
+      std::vector<int64_t> count(heads);
+      std::vector<int> times(n_items);  // [head * tiles + j]: blocks that recomputed tile j
+      for (int64_t band = 0; band <= tiles; ++band) {
+        for (int64_t head = 0; head < heads; ++head) {
+          const int64_t w = (band + head) % (tiles + 1);
+          count[head] = band_ends(w)[(band + head) % band_ends(w).size()];
+        }
+        for (int64_t grid = 1; grid <= n_items; ++grid) {
+          std::fill(times.begin(), times.end(), 0);
+          for (int64_t b = 0; b < grid; ++b) {
+            walk_run(b, grid, n_items, tiles, [&](int64_t head) { return count[head]; },
+                     [&](int64_t head, WorkRange work) {
+                       const int64_t stride = work_stride(work_tiles(count[head]), tiles);
+                       for (int64_t j = work.begin; j < work.end; ++j) {
+                         ++times[head * tiles + j];
+                         const int64_t item = head * tiles + j * stride;
+                         if ((item < b * n_items / grid || item >= (b + 1) * n_items / grid) &&
+                             bad++ == 0) {
+                           std::snprintf(first_bad, sizeof first_bad,
+                                         "block %" PRId64 " of %" PRId64 " recomputes head %"
+                                         PRId64 " tile %" PRId64 " at item %" PRId64,
+                                         b, grid, head, j, item);
+                         }
+                       }
+                     });
+          }
+          for (int64_t head = 0; head < heads; ++head) {
+            for (int64_t j = 0; j < tiles; ++j) {
+              const int want = j < work_tiles(count[head]) ? 1 : 0;
+              if (times[head * tiles + j] != want && bad++ == 0) {
+                std::snprintf(first_bad, sizeof first_bad,
+                              "grid %" PRId64 ": head %" PRId64 " (%" PRId64 " rows) tile %" PRId64
+                              " recomputed %d times",
+                              grid, head, count[head], j, times[head * tiles + j]);
+              }
+            }
+          }
+        }
+      }
+      EXPECT(bad == 0, "%" PRId64 " heads of %" PRId64 " tiles: %ld wrong, first %s", heads,
+             tiles, bad, first_bad);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- row walk
+// walk_rows (repair_dq_scan.cuh) alone, in one emulated block, on a synthetic
+// logsumexp of 3 heads x 1300 rows (walk rounds of 512: two full, one of
+// 276): head 0 with affected rows at the round edges and at random, and
+// among them -inf rows, NaN rows (left alone), +inf rows and rows exactly at
+// the threshold (not affected); head 1 with none but -inf rows at the round
+// edges; head 2 with every row affected. Each head's logsumexp is followed by
+// 5 floats of padding (read as rows, they would add affected rows), each dQ
+// row by padding elements (zero_row must not write past head_dim).
+enum class RowKind { kOrdinary, kAffected, kEmpty, kNan, kAtThreshold, kPosInf };
+
+enum class WalkOp {
+  kCount,       // walk_rows over the whole head, zero_empty off
+  kGather,      // walk_rows for ranks lo .. hi - 1 into shared memory
+  kOwnerCount,  // count_head as the head's owner: zeroes -inf rows, adds to the counter,
+                // gathers ranks 0 .. 63
+  kOtherCount,  // count_head as another block: counts, writes nothing
+};
+
+struct WalkCall {
+  WalkOp op;
+  int64_t head;
+  bool fresh;  // kGather: from row 0 (a block starting on the head), else resumed
+  int lo, hi;
+};
+
+struct WalkResult {
+  std::vector<std::array<int64_t, 3>> by_thread;  // returned count, cursor.row, cursor.rank
+  RowCursor before;                               // thread 0's cursor when called
+  std::vector<int> row;                           // s_row after the call
+  std::vector<float> lse2;
+  std::vector<uint16_t> dq;  // after a kOwnerCount
+};
+
+void walk_checks(int head_dim, bool dq_vec) {
+  constexpr int64_t kHeads = 3, kRows = 1300, kLsePitch = kRows + 5;
+  constexpr int kRound = kScanThreads * kScanRowsPerThread;
+  constexpr int kSlots = kTileRows + 8;  // the most ranks per call, then a guard
+  constexpr int kRowSentinel = -7;
+  const int64_t dq_pitch = dq_vec ? head_dim + 8 : head_dim + 3;
+  REQUIRE(kRows / kRound == 2);
+
+  std::mt19937 rng(4242);
+  std::uniform_real_distribution<float> ordinary(-39.5f, 8.0f);
+  const float affected_values[] = {-70.0f, std::nextafter(kTestLseThreshold, -INFINITY), -1e30f,
+                                   -45.5f};
+  std::vector<std::vector<RowKind>> kind(kHeads, std::vector<RowKind>(kRows, RowKind::kOrdinary));
+  for (const int r : {0, 1, 3, 127, 128, 511, 512, 513, 1023, 1024, 1299})
+    kind[0][r] = RowKind::kAffected;
+  for (const int r : {2, 600, 1298}) kind[0][r] = RowKind::kEmpty;
+  for (const int r : {5, 1025}) kind[0][r] = RowKind::kNan;
+  for (const int r : {6, 700, 1297}) kind[0][r] = RowKind::kAtThreshold;
+  kind[0][7] = RowKind::kPosInf;
+  for (int r = 0; r < kRows; ++r) {
+    if (kind[0][r] == RowKind::kOrdinary && rng() % 10 < 3) kind[0][r] = RowKind::kAffected;
+  }
+  for (const int r : {0, 511, 512, 1299}) kind[1][r] = RowKind::kEmpty;
+  kind[1][100] = RowKind::kNan;
+  std::fill(kind[2].begin(), kind[2].end(), RowKind::kAffected);
+
+  std::vector<float> lse(kHeads * kLsePitch, -70.0f);  // the padding: affected, if read
+  std::vector<std::vector<int>> affected(kHeads);       // per head, in row order
+  for (int64_t h = 0; h < kHeads; ++h) {
+    for (int r = 0; r < kRows; ++r) {
+      float& l = lse[h * kLsePitch + r];
+      switch (kind[h][r]) {
+        case RowKind::kOrdinary: l = ordinary(rng); break;
+        case RowKind::kAffected:
+          l = affected_values[affected[h].size() % 4];
+          affected[h].push_back(r);
+          break;
+        case RowKind::kEmpty: l = -INFINITY; break;
+        case RowKind::kNan: l = NAN; break;
+        case RowKind::kAtThreshold: l = kTestLseThreshold; break;
+        case RowKind::kPosInf: l = INFINITY; break;
+      }
+    }
+  }
+  // affected rows of head h before row r
+  auto affected_before = [&](int64_t h, int64_t r) {
+    return static_cast<int>(std::lower_bound(affected[h].begin(), affected[h].end(), r) -
+                            affected[h].begin());
+  };
+
+  std::vector<uint16_t> dq(kHeads * kRows * dq_pitch + 8);
+  uint16_t* dq_data = dq.data() + (reinterpret_cast<uintptr_t>(dq.data()) % 16) / 2;
+  REQUIRE(reinterpret_cast<uintptr_t>(dq_data) % 16 == 0);
+  for (int64_t e = 0; e < kHeads * kRows * dq_pitch; ++e) dq_data[e] = 0x3c00;  // 1.0 in fp16
+  const std::vector<uint16_t> dq_initial(dq_data, dq_data + kHeads * kRows * dq_pitch);
+  unsigned long long counter = 0;
+  ScanParams sp = scan_params(lse.data(), kHeads, kRows, dq_data,
+                              RowStrides{0, kRows * dq_pitch, dq_pitch}, head_dim, dq_vec,
+                              &counter);
+  sp.lse_b = kHeads * kLsePitch, sp.lse_h = kLsePitch;
+
+  // Counts; then per head the ranks in chunks of 64 from rank 0 (a block's
+  // run from the head's first tile), of 64 from rank 192 (a run resuming the
+  // head at its tile 3, from row 0), of 37 (chunks straddling the rounds
+  // elsewhere); last the owners' counts.
+  std::vector<WalkCall> calls;
+  for (int64_t h = 0; h < kHeads; ++h) calls.push_back({WalkOp::kCount, h, true, 0, INT32_MAX});
+  for (int64_t h = 0; h < kHeads; ++h) {
+    const int count = static_cast<int>(affected[h].size());
+    for (const auto& [start, chunk] : {std::pair{0, 64}, std::pair{192, 64}, std::pair{0, 37}}) {
+      for (int lo = start; lo < count; lo += chunk)
+        calls.push_back({WalkOp::kGather, h, lo == start, lo, std::min(count, lo + chunk)});
+    }
+  }
+  for (int64_t h = 0; h < kHeads; ++h) calls.push_back({WalkOp::kOtherCount, h, true, 0, 0});
+  for (int64_t h = 0; h < kHeads; ++h) {
+    const int count = static_cast<int>(affected[h].size());
+    calls.push_back({WalkOp::kOwnerCount, h, true, 0, std::min(count, kTileRows)});
+  }
+
+  std::vector<WalkResult> results(calls.size());
+  for (WalkResult& r : results) r.by_thread.resize(kScanThreads);
+  std::vector<uint16_t> dq_before_owners;
+  emu::launch(1, kScanThreads, 1024, [&] {
+    int* s_row = reinterpret_cast<int*>(smem_base());
+    float* s_lse2 = reinterpret_cast<float*>(s_row + kSlots);
+    int* warp_sums = reinterpret_cast<int*>(s_lse2 + kSlots);
+    const int tid = threadIdx.x;
+    RowCursor cursor;
+    for (size_t i = 0; i < calls.size(); ++i) {
+      const WalkCall& call = calls[i];
+      WalkResult& res = results[i];
+      if (tid < kSlots) s_row[tid] = kRowSentinel, s_lse2[tid] = NAN;
+      if (tid == 0 && call.op == WalkOp::kOwnerCount && dq_before_owners.empty())
+        dq_before_owners.assign(dq_data, dq_data + dq_initial.size());
+      __syncthreads();
+      if (call.op != WalkOp::kGather || call.fresh) cursor = RowCursor{};
+      if (tid == 0) res.before = cursor;
+      int n = 0;
+      if (call.op == WalkOp::kCount)
+        n = walk_rows(sp, call.head, cursor, 0, INT32_MAX, INT32_MAX, nullptr, nullptr, false,
+                      warp_sums);
+      if (call.op == WalkOp::kGather)
+        n = walk_rows(sp, call.head, cursor, call.lo, call.hi, call.hi, s_row, s_lse2, false,
+                      warp_sums);
+      if (call.op == WalkOp::kOwnerCount || call.op == WalkOp::kOtherCount)
+        n = count_head(sp, call.head, call.op == WalkOp::kOwnerCount, s_row, s_lse2, warp_sums);
+      res.by_thread[tid] = {n, cursor.row, cursor.rank};
+      __syncthreads();
+      if (tid == 0) {
+        res.row.assign(s_row, s_row + kSlots);
+        res.lse2.assign(s_lse2, s_lse2 + kSlots);
+        if (call.op == WalkOp::kOwnerCount) res.dq.assign(dq_data, dq_data + dq_initial.size());
+      }
+      __syncthreads();
+    }
+  });
+
+  // dQ as it must be once the owners of heads 0 .. last have zeroed their -inf rows.
+  auto dq_zeroed_through = [&](int64_t last) {
+    std::vector<uint16_t> want = dq_initial;
+    for (int64_t h = 0; h <= last; ++h)
+      for (int r = 0; r < kRows; ++r)
+        if (kind[h][r] == RowKind::kEmpty)
+          std::fill_n(want.begin() + (h * kRows + r) * dq_pitch, head_dim, uint16_t{0});
+    return want;
+  };
+  auto differing = [](const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+    long n = 0;
+    for (size_t e = 0; e < a.size(); ++e) n += a[e] != b[e];
+    return n;
+  };
+  const long written = differing(dq_before_owners, dq_initial);
+  EXPECT(written == 0, "%ld dQ elements written by walks without zero_empty", written);
+
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const WalkCall& call = calls[i];
+    const WalkResult& res = results[i];
+    const int64_t h = call.head;
+    const int count = static_cast<int>(affected[h].size());
+    const auto& got = res.by_thread[0];
+    const char* op = call.op == WalkOp::kCount        ? "count"
+                     : call.op == WalkOp::kGather     ? "gather"
+                     : call.op == WalkOp::kOtherCount ? "other block's count"
+                                                      : "owner count";
+    INFO("call " << i << ": " << op << " head " << h << " ranks [" << call.lo << ", " << call.hi
+                 << ")" << (call.fresh ? " from row 0" : " resumed") << ", head_dim " << head_dim);
+    long differ = 0;
+    for (const auto& t : res.by_thread) differ += t != got;
+    EXPECT(differ == 0, "%ld threads got another result than thread 0", differ);
+    if (call.op == WalkOp::kOwnerCount || call.op == WalkOp::kOtherCount) {
+      EXPECT(got[0] == count, "count %" PRId64 ", want %d", got[0], count);
+    }
+    if (call.op == WalkOp::kOwnerCount) {
+      const long wrong = differing(res.dq, dq_zeroed_through(h));
+      EXPECT(wrong == 0, "%ld dQ elements other than those of the -inf rows zeroed", wrong);
+    }
+    if (call.op == WalkOp::kCount || call.op == WalkOp::kGather) {
+      // The round where rank hi is reached, from the cursor it started at:
+      // where the walk stops and the next one resumes.
+      int64_t stop = res.before.row;
+      while (stop < kRows &&
+             affected_before(h, std::min<int64_t>(kRows, stop + kRound)) < call.hi)
+        stop += kRound;
+      stop = std::min<int64_t>(stop, kRows);
+      const int seen =
+          affected_before(h, std::min<int64_t>(kRows, stop + kRound)) - res.before.rank;
+      EXPECT(got[0] == seen && got[1] == stop && got[2] == affected_before(h, stop),
+             "returned %" PRId64 " (want %d), cursor at row %" PRId64 " rank %" PRId64
+             " (want %" PRId64 ", %d)",
+             got[0], seen, got[1], got[2], stop, affected_before(h, stop));
+    }
+    if (call.op == WalkOp::kCount) {
+      EXPECT(got[0] == count && got[1] == kRows, "count %" PRId64 ", want %d", got[0], count);
+      continue;
+    }
+    // Gathered: ranks lo .. hi - 1 (an owner's count: 0 .. min(count, 64) - 1;
+    // another block's: none).
+    long wrong_rows = 0, wrong_lse2 = 0, past_hi = 0;
+    for (int s = 0; s < kSlots; ++s) {
+      if (s < call.hi - call.lo) {
+        const int row = affected[h][call.lo + s];
+        wrong_rows += res.row[s] != row;
+        wrong_lse2 += !(res.lse2[s] == lse[h * kLsePitch + row] * kLog2e);
+      } else {
+        past_hi += res.row[s] != kRowSentinel || !std::isnan(res.lse2[s]);
+      }
+    }
+    EXPECT(wrong_rows == 0 && wrong_lse2 == 0 && past_hi == 0,
+           "%ld rows wrong, %ld lse2 wrong, %ld slots past hi - lo written", wrong_rows,
+           wrong_lse2, past_hi);
+  }
+  const size_t total = affected[0].size() + affected[1].size() + affected[2].size();
+  EXPECT(counter == total, "counter %llu, want %zu", counter, total);
+}
+
 }  // namespace
 
 TEST_CASE("repair layout: swizzle ldmatrix offsets fragments grid stages", "[repair]") {
   layout_checks();
+}
+
+TEST_CASE("repair work placement: each tile of work to exactly one block", "[repair]") {
+  work_placement_checks();
+}
+
+TEST_CASE("repair row walk emulated on the CPU: ranks, resumed cursors, -inf rows",
+          "[repair][emulated]") {
+  SECTION("head_dim 64, 16-byte dQ rows") { walk_checks(64, true); }
+  SECTION("head_dim 20, scalar dQ stores") { walk_checks(20, false); }
 }
 
 TEST_CASE("repair kernels emulated on the CPU", "[repair][emulated]") {
@@ -506,7 +900,37 @@ TEST_CASE("repair kernels emulated on the CPU", "[repair][emulated]") {
     c.H = 2, c.Hkv = 2, c.s_q = 1100, c.share = 0.3, c.slots = 5;
     c.bias = Case<Bf16>::kRows, c.masked_rows = 5;
     bf.push_back(c);
+    // Every row of a head affected: 1024 rows are exactly two 512-row rounds
+    // of the row walk (the 64-row tiles end on a round's last row), 1030
+    // spill 6 rows into a third.
+    c = Case<Bf16>();
+    c.name = "bf16 d64 all rows 1024x40, two full walk rounds";
+    c.H = 1, c.Hkv = 1, c.s_q = 1024, c.s_kv = 40, c.share = 1.0, c.slots = 5;
+    bf.push_back(c);
+    c.name = "bf16 d64 all rows 1030x40, a third walk round of 6 rows";
+    c.s_q = 1030;
+    bf.push_back(c);
+    // One tile per head and several heads per block's run: heads with and
+    // without their one row, each counted and recomputed by its own block.
+    c = Case<Bf16>();
+    c.name = "bf16 d64 share 0.5 s_q 1, 10 heads on 3 blocks";
+    c.B = 2, c.H = 5, c.Hkv = 5, c.s_q = 1, c.s_kv = 40, c.share = 0.5, c.slots = 3;
+    bf.push_back(c);
+    c.name = "bf16 d64 gqa share 0.3 s_q 20, 6 heads on 2 blocks";
+    c.B = 1, c.H = 6, c.Hkv = 3, c.s_q = 20, c.share = 0.3, c.slots = 2;
+    bf.push_back(c);
+    // 7 tiles per head and a number of tiles of work that does not divide
+    // it: 3 (150 rows) at tiles 0, 2, 4 of a head, runs of 4 and 5 items.
+    c = Case<Bf16>();
+    c.name = "bf16 d64 448x40, 150 rows per head: 3 tiles of work of 7";
+    c.H = 2, c.Hkv = 2, c.s_q = 448, c.s_kv = 40, c.rows_per_head = 150, c.slots = 3;
+    bf.push_back(c);
     Case<Fp16> f;
+    // 2 tiles of work (100 rows) at tiles 0 and 3, runs of 3 and 4 items.
+    f.name = "fp16 d64 448x40, 100 rows per head: 2 tiles of work of 7";
+    f.H = 2, f.Hkv = 2, f.s_q = 448, f.s_kv = 40, f.rows_per_head = 100, f.slots = 4;
+    fp.push_back(f);
+    f = Case<Fp16>();
     f.name = "fp16 d128 share 0.4 130x100";
     f.D = 128, f.s_q = 130, f.s_kv = 100, f.share = 0.4;
     fp.push_back(f);
