@@ -4,6 +4,7 @@
 #
 #   run(command="bash scripts/device_run.sh", carry=[".deps"])
 #   run(command="bash scripts/device_run.sh build tests", carry=[".deps"])   # no benchmark
+#   run(command="bash scripts/device_run.sh build gpu repair host")   # suite + repair + host figures
 #   run(command="PYTEST_ARGS='-k adversarial' bash scripts/device_run.sh gpu")
 #
 # Parts (default: build tests doctor bench):
@@ -18,6 +19,10 @@
 #   pytorch python scripts/pytorch_sdpa_tests.py --device cuda --out $OUT/pt
 #           (PyTorch's own SDPA tests, plain and patched; carry .external)
 #   bench   python benchmarks/bench_sdpa.py --out $OUT/bench $BENCH_ARGS
+#   repair  python benchmarks/bench_repair_kernel.py --out $OUT/repair (the
+#           repair's own device time by share; its table in $OUT/repair.txt)
+#   host    python benchmarks/bench_host.py --out $OUT/host (host time per
+#           call, layer by layer, paired rounds)
 # A test part on a machine without the built extension builds it first.
 #
 # Files under $OUT (at most 8 come back): build.log (extension + CMake build),
@@ -76,6 +81,7 @@ section() { local f=$1; shift; printf '\n===== %s =====\n' "$*" >>"$f"; }
 parts=("$@")
 ((${#parts[@]})) || parts=(build tests doctor bench)
 want_build=0 want_ctest=0 want_cpu=0 want_gpu=0 want_doctor=0 want_bench=0 want_sweep=0 want_pytorch=0
+want_repair=0 want_host=0
 for p in "${parts[@]}"; do
   case $p in
     build) want_build=1 ;;
@@ -87,8 +93,10 @@ for p in "${parts[@]}"; do
     bench) want_bench=1 ;;
     sweep) want_sweep=1 ;;
     pytorch) want_pytorch=1 ;;
+    repair) want_repair=1 ;;
+    host) want_host=1 ;;
     all) want_build=1 want_ctest=1 want_cpu=1 want_gpu=1 want_doctor=1 want_bench=1 ;;
-    *) echo "device_run.sh: unknown part '$p' (build ctest cpu gpu tests doctor sweep pytorch bench all)"; exit 2 ;;
+    *) echo "device_run.sh: unknown part '$p' (build ctest cpu gpu tests doctor sweep pytorch bench repair host all)"; exit 2 ;;
   esac
 done
 
@@ -106,6 +114,7 @@ cmake $(cmake --version 2>/dev/null | head -1 | grep -oE '[0-9.]+$'), $(nproc) c
 TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, parts: ${parts[*]}"
 
 st_build="-" st_ctest="-" st_cpu="-" st_gpu="-" st_doctor="-" st_bench="-" st_sweep="-" st_pytorch="-" build_s="-"
+st_repair="-" st_host="-"
 
 ext_importable() {
   (cd /tmp && "$PY" -c 'import openwam_sdpa._C' >/dev/null 2>&1)
@@ -137,7 +146,7 @@ do_build() {
   fi
   say "build: $st_build"
 }
-if ((want_build)) || { ((want_cpu || want_gpu || want_doctor || want_bench || want_sweep || want_pytorch)) && ! ext_importable; }; then
+if ((want_build)) || { ((want_cpu || want_gpu || want_doctor || want_bench || want_sweep || want_pytorch || want_repair || want_host)) && ! ext_importable; }; then
   do_build
 fi
 
@@ -251,6 +260,14 @@ if ((want_pytorch)); then
   script_part pytorch 360 "$TESTS_LOG" "$PY" scripts/pytorch_sdpa_tests.py --device cuda --out "$OUT/pt" ${PT_ARGS:-}
   st_pytorch=$REPLY
 fi
+if ((want_repair)); then
+  script_part repair 240 "$OUT/repair.txt" "$PY" benchmarks/bench_repair_kernel.py --out "$OUT/repair"
+  st_repair=$REPLY
+fi
+if ((want_host)); then
+  script_part host 300 "$TESTS_LOG" "$PY" benchmarks/bench_host.py --out "$OUT/host"
+  st_host=$REPLY
+fi
 
 # ------------------------------------------------------------ benchmark
 if ((want_bench)); then
@@ -279,10 +296,11 @@ nfiles=$(find "$OUT" -type f | wc -l)
 echo
 echo "==================== device_run summary ($((SECONDS - T0))s) ===================="
 printf '%-7s %s\n' build "$st_build" ctest "$st_ctest" cpu "$st_cpu" gpu "$st_gpu" doctor "$st_doctor" \
-  sweep "$st_sweep" pytorch "$st_pytorch" bench "$st_bench"
+  sweep "$st_sweep" pytorch "$st_pytorch" bench "$st_bench" repair "$st_repair" host "$st_host"
 printf '%-7s %s\n' files "$nfiles under \$OUT$( ((nfiles > 8)) && echo ' (OVER 8: some will not come back)')"
 fail=0
-for s in "$st_build" "$st_ctest" "$st_cpu" "$st_gpu" "$st_doctor" "$st_sweep" "$st_pytorch" "$st_bench"; do
+for s in "$st_build" "$st_ctest" "$st_cpu" "$st_gpu" "$st_doctor" "$st_sweep" "$st_pytorch" "$st_bench" \
+         "$st_repair" "$st_host"; do
   [[ "$s" == "-" || "$s" == ok* || "$s" == "no benchmarks"* ]] || fail=1
 done
 exit $fail
