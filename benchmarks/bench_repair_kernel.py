@@ -85,15 +85,20 @@ def stock_times(q, k, v, go, bias, repeats):
 def kernel_us(fn):
     """{kernel name: device µs} of one fn() call, from the profiler: where the time of a
     repair goes (its one kernel; with no affected row, its fixed cost)."""
+    import warnings
+
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
+    with warnings.catch_warnings():  # "Profiler clears events at the end of each cycle": one cycle here
+        warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        events = prof.events()
     out = {}
-    for e in prof.events():
+    for e in events:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             name = "repair" if "repair_kernel" in e.name else e.name[:40]
             out[name] = out.get(name, 0.0) + e.device_time_total

@@ -23,6 +23,11 @@
 #           repair's own device time by share; its table in $OUT/repair.txt)
 #   host    python benchmarks/bench_host.py --out $OUT/host (host time per
 #           call, layer by layer, paired rounds)
+#   sanitize compute-sanitizer memcheck, racecheck and synccheck on the repair
+#           kernel alone (scripts/probe_repair_kernel.py --cases small;
+#           report in $OUT/sanitize.txt)
+#   profile ncu on the repair kernel at bench_repair_kernel's shapes
+#           (probe_repair_kernel.py --cases bench; report in $OUT/ncu.txt)
 # A test part on a machine without the built extension builds it first.
 #
 # Files under $OUT (at most 8 come back): build.log (extension + CMake build),
@@ -83,7 +88,7 @@ section() { local f=$1; shift; printf '\n===== %s =====\n' "$*" >>"$f"; }
 parts=("$@")
 ((${#parts[@]})) || parts=(build tests doctor bench)
 want_build=0 want_ctest=0 want_cpu=0 want_gpu=0 want_doctor=0 want_bench=0 want_sweep=0 want_pytorch=0
-want_repair=0 want_host=0
+want_repair=0 want_host=0 want_sanitize=0 want_profile=0
 for p in "${parts[@]}"; do
   case $p in
     build) want_build=1 ;;
@@ -97,8 +102,10 @@ for p in "${parts[@]}"; do
     pytorch) want_pytorch=1 ;;
     repair) want_repair=1 ;;
     host) want_host=1 ;;
+    sanitize) want_sanitize=1 ;;
+    profile) want_profile=1 ;;
     all) want_build=1 want_ctest=1 want_cpu=1 want_gpu=1 want_doctor=1 want_bench=1 ;;
-    *) echo "device_run.sh: unknown part '$p' (build ctest cpu gpu tests doctor sweep pytorch bench repair host all)"; exit 2 ;;
+    *) echo "device_run.sh: unknown part '$p' (build ctest cpu gpu tests doctor sweep pytorch bench repair host sanitize profile all)"; exit 2 ;;
   esac
 done
 
@@ -116,7 +123,7 @@ cmake $(cmake --version 2>/dev/null | head -1 | grep -oE '[0-9.]+$'), $(nproc) c
 TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, parts: ${parts[*]}"
 
 st_build="-" st_ctest="-" st_cpu="-" st_gpu="-" st_doctor="-" st_bench="-" st_sweep="-" st_pytorch="-" build_s="-"
-st_repair="-" st_host="-"
+st_repair="-" st_host="-" st_sanitize="-" st_profile="-"
 
 ext_importable() {
   (cd /tmp && "$PY" -c 'import openwam_sdpa._C' >/dev/null 2>&1)
@@ -148,7 +155,7 @@ do_build() {
   fi
   say "build: $st_build"
 }
-if ((want_build)) || { ((want_cpu || want_gpu || want_doctor || want_bench || want_sweep || want_pytorch || want_repair || want_host)) && ! ext_importable; }; then
+if ((want_build)) || { ((want_cpu || want_gpu || want_doctor || want_bench || want_sweep || want_pytorch || want_repair || want_host || want_sanitize || want_profile)) && ! ext_importable; }; then
   do_build
 fi
 
@@ -271,6 +278,30 @@ if ((want_host)); then
   st_host=$REPLY
 fi
 
+# Only the repair kernel is instrumented (kns: a substring of its name): the
+# forward's cuDNN kernels run at full speed. A reported error exits 3.
+if ((want_sanitize)); then
+  bad=()
+  for tool in memcheck racecheck synccheck; do
+    script_part "sanitize $tool" 150 "$OUT/sanitize.txt" compute-sanitizer --tool "$tool" \
+      --kernel-name kns=repair_kernel --error-exitcode 3 "$PY" scripts/probe_repair_kernel.py --cases small
+    [[ "$REPLY" == ok ]] || bad+=("$tool: $REPLY")
+  done
+  if ((${#bad[@]})); then st_sanitize="FAILED: ${bad[*]}"; else st_sanitize="ok (memcheck, racecheck, synccheck)"; fi
+fi
+# --clock-control none: the clocks stay as they are (device README, METHOD.md).
+if ((want_profile)); then
+  if ! command -v ncu >/dev/null; then  # Nsight Compute's own folder, where PATH lacks it
+    ncu_dir=$(compgen -G "/opt/nvidia/nsight-compute/*/ncu" | tail -1)
+    [[ -n "$ncu_dir" ]] && PATH=$PATH:$(dirname "$ncu_dir")
+  fi
+  script_part profile 240 "$OUT/ncu.txt" ncu --clock-control none --kernel-name regex:repair_kernel \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+    --section WarpStateStats --section LaunchStats --csv --page details \
+    "$PY" scripts/probe_repair_kernel.py --cases bench
+  st_profile=$REPLY
+fi
+
 # ------------------------------------------------------------ benchmark
 if ((want_bench)); then
   if [[ -f benchmarks/bench_sdpa.py ]]; then
@@ -298,11 +329,12 @@ nfiles=$(find "$OUT" -type f | wc -l)
 echo
 echo "==================== device_run summary ($((SECONDS - T0))s) ===================="
 printf '%-7s %s\n' build "$st_build" ctest "$st_ctest" cpu "$st_cpu" gpu "$st_gpu" doctor "$st_doctor" \
-  sweep "$st_sweep" pytorch "$st_pytorch" bench "$st_bench" repair "$st_repair" host "$st_host"
+  sweep "$st_sweep" pytorch "$st_pytorch" bench "$st_bench" repair "$st_repair" host "$st_host" \
+  sanitize "$st_sanitize" profile "$st_profile"
 printf '%-7s %s\n' files "$nfiles under \$OUT$( ((nfiles > 8)) && echo ' (OVER 8: some will not come back)')"
 fail=0
 for s in "$st_build" "$st_ctest" "$st_cpu" "$st_gpu" "$st_doctor" "$st_sweep" "$st_pytorch" "$st_bench" \
-         "$st_repair" "$st_host"; do
+         "$st_repair" "$st_host" "$st_sanitize" "$st_profile"; do
   [[ "$s" == "-" || "$s" == ok* || "$s" == "no benchmarks"* ]] || fail=1
 done
 exit $fail
