@@ -282,12 +282,12 @@ fi
 # forward's cuDNN kernels run at full speed. A reported error exits 3.
 if ((want_sanitize)); then
   bad=()
-  for tool in memcheck racecheck synccheck; do
+  for tool in racecheck memcheck synccheck; do
     script_part "sanitize $tool" 150 "$OUT/sanitize.txt" compute-sanitizer --tool "$tool" \
       --kernel-name kns=repair_kernel --error-exitcode 3 "$PY" scripts/probe_repair_kernel.py --cases small
     [[ "$REPLY" == ok ]] || bad+=("$tool: $REPLY")
   done
-  if ((${#bad[@]})); then st_sanitize="FAILED: ${bad[*]}"; else st_sanitize="ok (memcheck, racecheck, synccheck)"; fi
+  if ((${#bad[@]})); then st_sanitize="FAILED: ${bad[*]}"; else st_sanitize="ok (racecheck, memcheck, synccheck)"; fi
 fi
 # --clock-control none: the clocks stay as they are (device README, METHOD.md).
 if ((want_profile)); then
