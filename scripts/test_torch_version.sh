@@ -92,10 +92,14 @@ if [[ "${have%%+*}" != "${VERSION%%+*}" ]]; then
   fi
 fi
 missing=()
-for spec in pytest:pytest hypothesis:hypothesis numpy:numpy pybind11:pybind11 \
-            setuptools:setuptools wheel:wheel; do
+for spec in pytest:pytest hypothesis:hypothesis numpy:numpy pybind11:pybind11 wheel:wheel; do
   "$VPY" -c "import ${spec%%:*}" 2>/dev/null || missing+=("${spec#*:}")
 done
+# setuptools, and a recent one: a venv's bundled setuptools (65.5 with Python
+# 3.11) and a current wheel print wheel's FutureWarning on every build
+# (setuptools took bdist_wheel over in 70.1).
+"$VPY" -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 71)' \
+  2>/dev/null || missing+=("setuptools>=71")
 if ((${#missing[@]})); then
   say "pip install ${missing[*]}"
   "$VPY" -m pip install "${missing[@]}" 2>&1 | quiet_pip >>"$LOGS/pip.log" ||
