@@ -1,0 +1,64 @@
+"""scripts/probe_repair_kernel.py, the repair kernel's cases for
+compute-sanitizer and Nsight Compute (device_run.sh's sanitize and profile
+parts): its case lists cover what BENCHMARKS.md says they cover, and the
+script runs without a GPU (it lists, or says it needs one)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "probe_repair_kernel.py")
+
+
+def load_probe():
+    spec = importlib.util.spec_from_file_location("probe_repair_kernel", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_small_cases_cover_every_kernel_path():
+    """The sanitizer cases: each compiled head_dim width (64, 128, 256) and
+    one zero-filled (72), both element types, a key mask, is_causal, BSHD
+    storage, and the narrow (one row per head), partial and full tiles; all
+    small enough for an instrumented run."""
+    probe = load_probe()
+    cases = probe.CASES["small"]
+    widths = {64 if c.D <= 64 else 128 if c.D <= 128 else 256 for c in cases}
+    assert widths == {64, 128, 256}
+    assert any(c.D % 64 != 0 for c in cases)
+    assert {c.dtype for c in cases} == {torch.bfloat16, torch.float16}
+    assert any(c.mask for c in cases) and any(c.causal for c in cases)
+    assert any(c.layout == "bshd" for c in cases)
+    assert {str(c.share) for c in cases} == {"one_per_head", "0.1", "all"}
+    for c in cases:
+        assert c.D % 8 == 0 and c.D <= 256
+        assert c.B * c.H * c.s_q * c.s_kv <= 1 << 20, c.label()
+
+
+def test_bench_cases_are_bench_repair_kernels_shapes():
+    probe = load_probe()
+    shapes = {(c.B, c.H, c.s_q, c.s_kv) for c in probe.CASES["bench"]}
+    assert shapes == {(16, 24, 704, 704), (32, 24, 360, 64), (4, 24, 4096, 4032)}
+    assert all(c.mask == (c.s_kv == 64) for c in probe.CASES["bench"])
+
+
+@pytest.mark.parametrize("cases", ["small", "bench"])
+def test_list_prints_one_line_per_case(cases):
+    probe = load_probe()
+    run = subprocess.run([sys.executable, SCRIPT, "--list", "--cases", cases],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [c.label() for c in probe.CASES[cases]]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+def test_without_a_gpu_it_says_so_and_exits_0():
+    run = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "needs a CUDA GPU" in run.stdout
