@@ -33,6 +33,8 @@ from typing import NamedTuple
 
 import torch
 
+THRESHOLD = -40.0  # kRepairLseThreshold (csrc/repair_dq.h): rows below it are repaired
+
 
 class Case(NamedTuple):
     B: int
@@ -95,7 +97,7 @@ def run_case(c: Case) -> str:
     torch.ops.openwam._repair_dq_(dq, go, q, k, v, out, lse, bias, c.causal, scale)
     torch.cuda.synchronize()
     lse3 = lse.reshape(c.B, c.H, c.s_q)
-    affected = torch.isfinite(lse3) & (lse3 < -40.0)
+    affected = torch.isfinite(lse3) & (lse3 < THRESHOLD)
     empty = lse3 == float("-inf")
     bad = int((~dq[affected].isfinite()).sum()) + int((dq[empty] != 0).sum())
     rows = int(affected.sum())

@@ -179,9 +179,6 @@ def test_causal_bias_goes_to_pytorch(ow):
         torch.testing.assert_close(out, ref, atol=0, rtol=0)
 
 
-# torch 2.14 deprecates TorchScript (a FutureWarning on every torch.jit.script);
-# users who still script models get the op all the same.
-@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
 def test_torchscript_compiles_the_patched_function_to_the_op(ow):
     """torch.jit.script resolves F.scaled_dot_product_attention when it
     compiles; patched, it compiles to openwam::sdpa, whose schema is F.sdpa's.
