@@ -27,13 +27,15 @@
 #           kernel alone (scripts/probe_repair_kernel.py --cases small;
 #           report in $OUT/sanitize.txt)
 #   profile ncu on the repair kernel at bench_repair_kernel's shapes
-#           (probe_repair_kernel.py --cases bench; report in $OUT/ncu.txt)
+#           (probe_repair_kernel.py --cases bench; report in $OUT/ncu.txt),
+#           then its stalls per SASS instruction on one case (PROFILE_MATCH,
+#           default "32x24x360x64 one_per_head"; $OUT/ncu_source.csv)
 # A test part on a machine without the built extension builds it first.
 #
 # Files under $OUT (at most 8 come back): build.log (extension + CMake build),
 # tests.log (ctest and both pytest runs), gpu_suite_results.{json,md} (written
 # by tests/gpu/conftest.py), doctor.txt, bench/bench.{json,md,png}, repair.txt
-# and repair/repair_kernel.json, host/host.{json,md}, sanitize.txt, ncu.txt.
+# and repair/repair_kernel.json, host/host.{json,md}, sanitize.txt, ncu.txt, ncu_source.csv.
 # With JUNIT=1 also pytest_gpu.xml. Choose parts whose files number 8 or fewer.
 # The summary table is printed last. The whole run stops itself before
 # DEVICE_BUDGET_S seconds (default 560; the tool's limit is 600): parts that
@@ -298,9 +300,15 @@ if ((want_profile)); then
   fi
   script_part profile 240 "$OUT/ncu.txt" ncu --clock-control none --kernel-name regex:repair_kernel \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-    --section WarpStateStats --section LaunchStats --csv --page details \
+    --section WarpStateStats --section SchedulerStats --section LaunchStats --csv --page details \
     "$PY" scripts/probe_repair_kernel.py --cases bench
   st_profile=$REPLY
+  # Where the warps of one case stall, per SASS instruction (sampled).
+  script_part "profile source" 120 "$OUT/ncu_source.csv" ncu --clock-control none \
+    --kernel-name regex:repair_kernel --section WarpStateStats --section SourceCounters \
+    --csv --page source --print-source sass \
+    "$PY" scripts/probe_repair_kernel.py --cases bench --match "${PROFILE_MATCH:-32x24x360x64 one_per_head}"
+  st_profile="$st_profile; source: $REPLY"
 fi
 
 # ------------------------------------------------------------ benchmark

@@ -13,8 +13,10 @@ kernel's code path: head_dim widths 64, 128 and 256 (and 72, zero-filled to
 passes), is_causal, BSHD storage, one affected row per head (the narrow
 tile), 10% and every row, -inf rows. A sanitizer instruments every access,
 so these must stay small.
-bench: bench_repair_kernel.py's shapes at head_dim 128 with one row per
-head, 10% and every row (what a profile of the tile should explain).
+bench: bench_repair_kernel.py's shapes at head_dim 128 with no affected
+row (the count walks alone), one row per head, 10% and every row (what a
+profile of the tile should explain). --match keeps the cases whose label
+holds a substring (one case for a per-instruction profile).
 
 Each case builds openwam_sdpa.adversarial inputs, runs stock cuDNN's forward
 for out and logsumexp, fills dQ with NaN and runs the repair once; it
@@ -67,7 +69,7 @@ SMALL = [
 ]
 BENCH = [Case(B, H, s_q, s_kv, 128, share, mask=(s_kv == 64), layout="bshd")
          for (B, H, s_q, s_kv) in [(16, 24, 704, 704), (32, 24, 360, 64), (4, 24, 4096, 4032)]
-         for share in ("one_per_head", 0.1, "all")]
+         for share in ("none", "one_per_head", 0.1, "all")]
 CASES = {"small": SMALL, "bench": BENCH}
 
 
@@ -109,9 +111,12 @@ def run_case(c: Case) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", choices=sorted(CASES), default="small")
+    ap.add_argument("--match", default="", help="only the cases whose label holds this text")
     ap.add_argument("--list", action="store_true", help="print the cases and exit")
     args = ap.parse_args(argv)
-    cases = CASES[args.cases]
+    cases = [c for c in CASES[args.cases] if args.match in c.label()]
+    if not cases:
+        ap.error(f"no {args.cases} case matches {args.match!r}")
     if args.list:
         for c in cases:
             print(c.label())

@@ -31,6 +31,14 @@ constexpr int kScanRowsPerThread = 4;
 // A tile with at most this many rows is "narrow": all 4 warps share its 16
 // rows and split each key block four ways instead of idling 3 warps.
 constexpr int kNarrowRows = 16;
+// Rows of Q, dO and the bias that a tile of n_rows rows moves to shared
+// memory (zeros past n_rows): the 16 its warps read when the tile is narrow,
+// else all 64. One affected row per head then moves 16 rows instead of 64
+// (the narrow tile spent most of its instructions on loads: Nsight Compute,
+// H200, 2026-12-01); wide tiles keep their unrolled loads.
+OPENWAM_HD int tile_rows_loaded(int n_rows) {
+  return n_rows <= kNarrowRows ? kNarrowRows : kTileRows;
+}
 // The widest compiled head_dim (head_dim_width).
 constexpr int kMaxWidth = 256;
 // Row pitch of the bias tile in shared memory, in elements: 8 more than a

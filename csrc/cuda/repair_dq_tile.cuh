@@ -10,8 +10,9 @@
 // (and the bias tile) streaming through a 2- or 3-stage cp.async pipeline
 // (repair_dq_tile_load.cuh, tile_stages). Each warp owns 16 rows; a tile of
 // at most 16 rows ("narrow": one affected row per head) has all 4 warps on
-// the same rows, each taking 16 keys of a block, and sums the 4 partial dQ
-// at the end.
+// the same rows, each taking 16 keys of a block; at the end each warp sums
+// the 4 partial dQ of a quarter of the columns. A narrow tile moves only its
+// 16 rows of Q, dO and bias (tile_rows_loaded).
 //
 // Work: the grid is persistent (see tile_grid_size). The (head, tile) items,
 // head-major, are cut into one contiguous run per block; for each head of
@@ -173,8 +174,13 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
     loader.keys(stage, k_head, p.k_st.s, kb * kKeyBlock, p.s_kv, p.vec);
     loader.keys(stage + layout.kv_tile_bytes(), v_head, p.v_st.s, kb * kKeyBlock, p.s_kv, p.vec);
     if (has_bias) {
-      load_bias_tile(stage + 2 * layout.kv_tile_bytes(), bias_head, p.bias_s, p.bias_e, p.s_kv,
-                     hdr.row, n_rows, kb, p.bias_vec);
+      if (n_rows <= kNarrowRows) {
+        load_bias_tile<kNarrowRows>(stage + 2 * layout.kv_tile_bytes(), bias_head, p.bias_s,
+                                    p.bias_e, p.s_kv, hdr.row, n_rows, kb, p.bias_vec);
+      } else {
+        load_bias_tile<kTileRows>(stage + 2 * layout.kv_tile_bytes(), bias_head, p.bias_s,
+                                  p.bias_e, p.s_kv, hdr.row, n_rows, kb, p.bias_vec);
+      }
     }
   };
 
@@ -227,11 +233,13 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
       mean_of_keys<Elt, kWidth>(hdr.key_mean, smem + layout.stage(0), p.s_kv);
     }
     float dot = 0.0f;
+    if (r < tile_rows_loaded(n_rows)) {  // the dO rows loaded (zeros past n_rows)
 #pragma unroll
-    for (int i = 0; i < kHalf; ++i) {
-      const uint4 g = *reinterpret_cast<const uint4*>(
-          do_tile + tile_offset<kChunks>(r, half * kHalf + i));
-      dot += dot8<Elt>(g, o[i]);
+      for (int i = 0; i < kHalf; ++i) {
+        const uint4 g = *reinterpret_cast<const uint4*>(
+            do_tile + tile_offset<kChunks>(r, half * kHalf + i));
+        dot += dot8<Elt>(g, o[i]);
+      }
     }
     dot += __shfl_xor_sync(0xffffffffu, dot, 1);
     if (half == 0) hdr.delta[r] = dot;
@@ -325,51 +333,63 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
     }
   }
 
-  if (narrow) {  // sum the 4 warps' partial dQ (key quarters) into warp 0
+  // dQ columns col, col + 1 of row `row`.
+  auto store = [&](int row, int col, float v0, float v1) {
+    uint16_t* dst = dq_head + row * p.dq_st.s;
+    if (p.dq_pair) {
+      *reinterpret_cast<uint32_t*>(dst + col) = Elt::pack(v0 * p.scale, v1 * p.scale);
+    } else {
+      dst[col] = Elt::from_float(v0 * p.scale);
+      dst[col + 1] = Elt::from_float(v1 * p.scale);
+    }
+  };
+
+  if (narrow) {
+    // The 4 warps' partial dQ (key quarters) through shared memory; each
+    // warp then sums and writes a quarter of the columns. Warp 0 alone
+    // summing all of them kept the other three at the closing barrier
+    // (the largest stall with one affected row per head: Nsight Compute,
+    // H200, 2026-12-01).
+    constexpr int kPerWarp = Shape::kDTiles / 4;
+    static_assert(Shape::kDTiles % 4 == 0, "a quarter of the columns per warp");
+    static_assert(4 * Shape::kDTiles * 32 * 16 <= 2 * kKeyBlock * kWidth * 2,
+                  "the partials fit in stage 0's K and V tiles");
     float4* partial = reinterpret_cast<float4*>(smem + layout.stage(0));
-    if (warp > 0) {
 #pragma unroll
-      for (int j = 0; j < Shape::kDTiles; ++j) {
-        float4 v;
-        v.x = acc[j][0];
-        v.y = acc[j][1];
-        v.z = acc[j][2];
-        v.w = acc[j][3];
-        partial[((warp - 1) * Shape::kDTiles + j) * 32 + lane] = v;
-      }
+    for (int j = 0; j < Shape::kDTiles; ++j) {
+      float4 v;
+      v.x = acc[j][0];
+      v.y = acc[j][1];
+      v.z = acc[j][2];
+      v.w = acc[j][3];
+      partial[(warp * Shape::kDTiles + j) * 32 + lane] = v;
     }
     __syncthreads();
-    if (warp == 0) {
-      for (int w = 0; w < 3; ++w) {
 #pragma unroll
-        for (int j = 0; j < Shape::kDTiles; ++j) {
-          const float4 v = partial[(w * Shape::kDTiles + j) * 32 + lane];
-          acc[j][0] += v.x;
-          acc[j][1] += v.y;
-          acc[j][2] += v.z;
-          acc[j][3] += v.w;
-        }
+    for (int jj = 0; jj < kPerWarp; ++jj) {
+      const int j = warp * kPerWarp + jj;
+      if (8 * j >= p.head_dim) break;
+      float4 sum = partial[j * 32 + lane];
+#pragma unroll
+      for (int w = 1; w < 4; ++w) {
+        const float4 v = partial[(w * Shape::kDTiles + j) * 32 + lane];
+        sum.x += v.x;
+        sum.y += v.y;
+        sum.z += v.z;
+        sum.w += v.w;
       }
+      const int col = 8 * j + frag_col(lane, 0);
+      if (wr.row[0] >= 0) store(wr.row[0], col, sum.x, sum.y);
+      if (wr.row[1] >= 0) store(wr.row[1], col, sum.z, sum.w);
     }
-  }
-
-  if (active && (!narrow || warp == 0)) {
+  } else if (active) {
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       if (wr.row[rr] < 0) continue;
-      uint16_t* dst = dq_head + wr.row[rr] * p.dq_st.s;
 #pragma unroll
       for (int j = 0; j < Shape::kDTiles; ++j) {
         if (8 * j >= p.head_dim) break;
-        const int col = 8 * j + frag_col(lane, 0);
-        const float v0 = acc[j][2 * rr] * p.scale;
-        const float v1 = acc[j][2 * rr + 1] * p.scale;
-        if (p.dq_pair) {
-          *reinterpret_cast<uint32_t*>(dst + col) = Elt::pack(v0, v1);
-        } else {
-          dst[col] = Elt::from_float(v0);
-          dst[col + 1] = Elt::from_float(v1);
-        }
+        store(wr.row[rr], 8 * j + frag_col(lane, 0), acc[j][2 * rr], acc[j][2 * rr + 1]);
       }
     }
   }

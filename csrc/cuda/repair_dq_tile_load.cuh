@@ -88,24 +88,30 @@ struct TileLoader {
         head, vec);
   }
 
-  // The listed query rows s_row[0 .. n_rows - 1] of Q or dO.
+  // The listed query rows s_row[0 .. n_rows - 1] of Q or dO, zeros up to
+  // tile_rows_loaded(n_rows).
   __device__ __forceinline__ void rows(int tile, const uint16_t* head, int64_t stride,
                                        const int* s_row, int n_rows, bool vec) const {
-    copy<kTileRows>(
-        tile,
-        [&](int i, bool& ok) {
-          const int r = r0 + i * kRowStep;
-          ok = in_row && r < n_rows;
-          return head + static_cast<int64_t>(ok ? s_row[r] : 0) * stride + c * 8;
-        },
-        head, vec);
+    static_assert(kNarrowRows % kRowStep == 0, "a narrow tile is whole rounds of rows");
+    auto row_src = [&](int i, bool& ok) {
+      const int r = r0 + i * kRowStep;
+      ok = in_row && r < n_rows;
+      return head + static_cast<int64_t>(ok ? s_row[r] : 0) * stride + c * 8;
+    };
+    if (n_rows <= kNarrowRows) {
+      copy<kNarrowRows>(tile, row_src, head, vec);
+    } else {
+      copy<kTileRows>(tile, row_src, head, vec);
+    }
   }
 };
 
 // The bias of the listed rows s_row[0 .. n_rows - 1] for keys kb*64 ..
-// kb*64+63, rows kBiasPitch elements apart (not swizzled: read element-wise,
-// see kBiasPitch). `head` is the bias of the (b, h), `row_stride` and
-// `key_stride` its strides; `vec`: rows 16-byte aligned, keys contiguous.
+// kb*64+63 (zeros up to kRows = tile_rows_loaded(n_rows)), rows kBiasPitch
+// elements apart (not swizzled: read element-wise, see kBiasPitch). `head`
+// is the bias of the (b, h), `row_stride` and `key_stride` its strides;
+// `vec`: rows 16-byte aligned, keys contiguous.
+template <int kRows>
 __device__ __forceinline__ void load_bias_tile(int tile, const uint16_t* head,
                                                int64_t row_stride, int64_t key_stride, int s_kv,
                                                const int* s_row, int n_rows, int kb, bool vec) {
@@ -117,8 +123,9 @@ __device__ __forceinline__ void load_bias_tile(int tile, const uint16_t* head,
   const int r0 = threadIdx.x / kChunksPerRow;
   const int key0 = kb * kKeyBlock + c * 8;
   const int n_keys = cmax(0, cmin(8, s_kv - key0));  // 8 but in the last block
+  static_assert(kRows % kRowStep == 0, "whole rounds of rows");
 #pragma unroll
-  for (int i = 0; i < kTileRows / kRowStep; ++i) {
+  for (int i = 0; i < kRows / kRowStep; ++i) {
     const int r = r0 + i * kRowStep;
     const int n = r < n_rows ? n_keys : 0;
     const uint16_t* src = n > 0 ? head + s_row[r] * row_stride + key0 * key_stride : nullptr;

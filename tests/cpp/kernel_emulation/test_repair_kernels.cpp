@@ -361,6 +361,22 @@ void run_case(const Case<Elt>& c) {
   EXPECT(static_cast<long>(counter) == 5 + expected_count, "counter %llu, expected 5 + %ld",
         counter, expected_count);
   EXPECT(emu::stats.ldsm_conflicts == before.ldsm_conflicts, "ldmatrix bank conflicts");
+  // Each tile moves tile_rows_loaded rows of Q, dO and the bias, and every
+  // key block of K and V: one affected row per head moves 16 rows, not 64.
+  // Exact where every tile sees every key.
+  if (tp.vec && (!has_bias || tp.bias_vec) && !c.causal) {
+    const int64_t key_blocks = (SK + kKeyBlock - 1) / kKeyBlock;
+    long expected_copies = 0;
+    for (const emu::TileRecord& t : emu::tile_trace) {
+      const int used = tile_rows_loaded(t.n_rows);
+      expected_copies += 2L * used * (width / 8) +
+                         key_blocks * (2L * kKeyBlock * (width / 8) +
+                                       (has_bias ? used * (kKeyBlock / 8) : 0));
+    }
+    EXPECT(static_cast<long>(emu::stats.cp_async - before.cp_async) == expected_copies,
+          "%ld cp.async, expected %ld", static_cast<long>(emu::stats.cp_async - before.cp_async),
+          expected_copies);
+  }
 
   // ---- check against float64 (dS rounded to the element type, as the
   // kernel feeds it to the tensor cores)
