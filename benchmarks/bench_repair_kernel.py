@@ -38,7 +38,6 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import timing  # noqa: E402  (benchmarks/timing.py)
 
-THRESHOLD = -40.0  # kRepairLseThreshold
 SHAPES = [  # B, H, s_q, s_kv, mask
     (16, 24, 704, 704, "none"),
     (32, 24, 360, 64, "bool"),
@@ -106,6 +105,7 @@ def kernel_us(fn):
 
 
 def measure_shape(B, H, s_q, s_kv, mask, D, repeats, shares):
+    from openwam_sdpa import REPAIR_LSE_THRESHOLD
     from openwam_sdpa.adversarial import adversarial_inputs, affected_rows
 
     dtype, device = torch.bfloat16, "cuda"
@@ -125,7 +125,7 @@ def measure_shape(B, H, s_q, s_kv, mask, D, repeats, shares):
         q = torch.where(sel.unsqueeze(-1), q_all, q_none)
         out, lse = cudnn_forward(q, k, v, bias, scale)
         lse3 = lse.reshape(B, H, s_q)
-        low = (torch.isfinite(lse3) & (lse3 < THRESHOLD))
+        low = (torch.isfinite(lse3) & (lse3 < REPAIR_LSE_THRESHOLD))
         n_rows = int(low.sum())
         heads_hit = int(low.any(-1).sum())
         dq = torch.zeros_like(q)

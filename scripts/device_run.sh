@@ -35,7 +35,8 @@
 # Files under $OUT (at most 8 come back): build.log (extension + CMake build),
 # tests.log (ctest and both pytest runs), gpu_suite_results.{json,md} (written
 # by tests/gpu/conftest.py), doctor.txt, bench/bench.{json,md,png}, repair.txt
-# and repair/repair_kernel.json, host/host.{json,md}, sanitize.txt, ncu.txt, ncu_source.csv.
+# and repair/repair_kernel.json, host/host.{json,md}, sanitize.txt, ncu.txt,
+# ncu_source.csv.
 # With JUNIT=1 also pytest_gpu.xml. Choose parts whose files number 8 or fewer.
 # The summary table is printed last. The whole run stops itself before
 # DEVICE_BUDGET_S seconds (default 560; the tool's limit is 600): parts that

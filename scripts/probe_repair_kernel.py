@@ -35,8 +35,6 @@ from typing import NamedTuple
 
 import torch
 
-THRESHOLD = -40.0  # kRepairLseThreshold (csrc/repair_dq.h): rows below it are repaired
-
 
 class Case(NamedTuple):
     B: int
@@ -87,6 +85,7 @@ def key_mask_bias(c: Case, device) -> torch.Tensor:
 
 def run_case(c: Case) -> str:
     """One repair on case `c`; returns '' or what is wrong."""
+    from openwam_sdpa import REPAIR_LSE_THRESHOLD
     from openwam_sdpa.adversarial import adversarial_inputs
 
     q, k, v, go, _ = adversarial_inputs(c.B, c.H, c.s_q, c.s_kv, c.D, rows=c.share,
@@ -99,7 +98,7 @@ def run_case(c: Case) -> str:
     torch.ops.openwam._repair_dq_(dq, go, q, k, v, out, lse, bias, c.causal, scale)
     torch.cuda.synchronize()
     lse3 = lse.reshape(c.B, c.H, c.s_q)
-    affected = torch.isfinite(lse3) & (lse3 < THRESHOLD)
+    affected = torch.isfinite(lse3) & (lse3 < REPAIR_LSE_THRESHOLD)
     empty = lse3 == float("-inf")
     bad = int((~dq[affected].isfinite()).sum()) + int((dq[empty] != 0).sum())
     rows = int(affected.sum())

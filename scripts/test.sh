@@ -2,8 +2,9 @@
 # The project's test command:   bash scripts/test.sh
 #
 # 1. installs what the tests need (apt: cmake ninja-build g++ catch2, as root
-#    only; pip: torch==2.13.0 if no torch is importable, pytest, hypothesis,
-#    numpy, pybind11, and transformers for the optional integration tests;
+#    only; pip: torch==2.13.0 if no torch is importable, the list of
+#    scripts/test_deps.sh (pytest, hypothesis, numpy, pybind11, wheel,
+#    setuptools >= 71), and transformers for the optional integration tests;
 #    pip -qq: this machine kind's pip configuration names package indexes
 #    that do not exist, and pip warns about each; errors still show),
 # 2. builds and installs the extension (pip install --no-build-isolation -e .),
@@ -55,11 +56,8 @@ if ! "$PY" -c 'import torch' 2>/dev/null; then
   say "no importable torch: pip install torch==2.13.0"
   "$PY" -m pip install -qq torch==2.13.0 || { say "installing torch failed"; exit 1; }
 fi
-pip_pkgs=()
-for spec in pytest:pytest hypothesis:hypothesis numpy:numpy pybind11:pybind11 \
-            setuptools:setuptools wheel:wheel; do
-  "$PY" -c "import ${spec%%:*}" 2>/dev/null || pip_pkgs+=("${spec#*:}")
-done
+source scripts/test_deps.sh
+mapfile -t pip_pkgs < <(test_deps_missing "$PY")
 if ((${#pip_pkgs[@]})); then
   say "pip install ${pip_pkgs[*]}"
   "$PY" -m pip install -qq "${pip_pkgs[@]}" || { say "pip install failed"; exit 1; }

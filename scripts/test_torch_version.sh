@@ -7,8 +7,8 @@
 # and build/cmake, the system Python's torch). Everything lives in
 # build/torch-VERSION/:
 #   venv/   a virtual environment with torch==VERSION and the test deps
-#           (pytest hypothesis numpy pybind11 setuptools wheel; transformers
-#           when it installs). Kept and reused: the CUDA wheels are ~5.5 GB.
+#           (scripts/test_deps.sh, as scripts/test.sh; transformers when it
+#           installs). Kept and reused: the CUDA wheels are ~5.5 GB.
 #   src/    a snapshot of the sources (see OPENWAM_TV_SOURCE); the extension is
 #           built there and installed into venv/ (not editable), so the
 #           checkout can keep changing while this runs. Its build/ is kept
@@ -91,15 +91,8 @@ if [[ "${have%%+*}" != "${VERSION%%+*}" ]]; then
     exit 1
   fi
 fi
-missing=()
-for spec in pytest:pytest hypothesis:hypothesis numpy:numpy pybind11:pybind11 wheel:wheel; do
-  "$VPY" -c "import ${spec%%:*}" 2>/dev/null || missing+=("${spec#*:}")
-done
-# setuptools, and a recent one: a venv's bundled setuptools (65.5 with Python
-# 3.11) and a current wheel print wheel's FutureWarning on every build
-# (setuptools took bdist_wheel over in 70.1).
-"$VPY" -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 71)' \
-  2>/dev/null || missing+=("setuptools>=71")
+source scripts/test_deps.sh
+mapfile -t missing < <(test_deps_missing "$VPY")
 if ((${#missing[@]})); then
   say "pip install ${missing[*]}"
   "$VPY" -m pip install "${missing[@]}" 2>&1 | quiet_pip >>"$LOGS/pip.log" ||

@@ -7,7 +7,8 @@
 * the float64 reference with a safe softmax: a query row that sees no key
   gets zero output and contributes zero gradient (what F.sdpa does since 2.5
   and what openwam::sdpa promises);
-* the error rule: at most twice stock PyTorch's own error, plus one floor.
+* the error rule: at most twice stock PyTorch's own error, plus one floor;
+* the repository's scripts (scripts/*.py) as modules, for their CPU tests.
 
 Random data is drawn in float64 on the CPU from a seeded generator and then
 moved, so every device gets the same numbers. Nothing here touches a GPU
@@ -19,7 +20,10 @@ The test modules import it as ``from support import ...`` (pytest's default
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -353,3 +357,22 @@ def reference_problem(name, x, ref, dtype, ulps=4.0) -> str | None:
 def assert_close_to_reference(name, x, ref, dtype, ulps=4.0):
     problem = reference_problem(name, x, ref, dtype, ulps)
     assert problem is None, problem
+
+
+# --------------------------------------------------------------------------
+# Scripts
+# --------------------------------------------------------------------------
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+
+
+def script_path(name: str) -> str:
+    return os.path.join(SCRIPTS, name)
+
+
+def load_script(name: str) -> ModuleType:
+    """scripts/<name> imported as a module (its main() not run)."""
+    spec = importlib.util.spec_from_file_location(name.rsplit(".", 1)[0], script_path(name))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -231,7 +231,7 @@ def test_repair_recomputes_exactly_the_low_rows(rows, causal, mask):
     out, lse, _, _ = FWD(a.query, a.key, a.value, bias, 0.0, causal, None, True, 0)
     scale = 1.0 / math.sqrt(16)
     ref_dq = reference(a.query, a.key, a.value, a.grad_out, m, causal, enable_gqa=True)[0].dq
-    low = lse.squeeze(-1) < -40.0
+    low = lse.squeeze(-1) < openwam_sdpa.REPAIR_LSE_THRESHOLD
     assert (low == a.affected).all()  # the builder's rows are exactly the low ones
     dq = torch.full_like(a.query, float("nan"))
     dq[~low] = 7.0  # untouched rows keep what they had
@@ -262,3 +262,13 @@ def test_repair_zeroes_rows_that_see_no_key():
 def test_repaired_rows_counter_is_zero_on_cpu(ow):
     assert ow.repaired_rows() == 0
     assert ow.repaired_rows(reset=True) == 0
+
+
+def test_repair_threshold_is_the_kernels_and_covers_the_defect(ow):
+    """REPAIR_LSE_THRESHOLD is the C++ constant the repair uses (the row
+    tests above select rows with it), and lies above -88.7, where cuDNN's
+    dQ goes NaN (exp(-lse) |dO . o| overflows float32: lse < -88.72 +
+    ln|dO . o|), with room for |dO . o| up to e^48."""
+    assert ow.REPAIR_LSE_THRESHOLD == ow._C.REPAIR_LSE_THRESHOLD == -40.0
+    assert ow.REPAIR_LSE_THRESHOLD >= -88.72 + 48
+    assert "REPAIR_LSE_THRESHOLD" in ow.__all__

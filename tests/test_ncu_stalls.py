@@ -3,15 +3,14 @@ samples with a SASS line table: the join by offset, inlined lines, the
 refusal of a different build, and the report's sums (synthetic inputs in
 the two tools' formats)."""
 
-import importlib.util
-import os
 import subprocess
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "scripts", "ncu_stalls.py")
+from support import load_script, script_path
+
+SCRIPT = script_path("ncu_stalls.py")
 
 SASS = """\
 .text._ZN7openwam6repair13repair_kernelINS0_4Fp16ELi64EEEvNS0_10ScanParamsENS0_10TileParamsE:
@@ -50,10 +49,7 @@ ROWS = [
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("ncu_stalls", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("ncu_stalls.py")
 
 
 def test_join_takes_the_inlined_functions_own_line():

@@ -3,23 +3,19 @@ compute-sanitizer and Nsight Compute (device_run.sh's sanitize and profile
 parts): its case lists cover what BENCHMARKS.md says they cover, and the
 script runs without a GPU (it lists, or says it needs one)."""
 
-import importlib.util
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "scripts", "probe_repair_kernel.py")
+from support import load_script, script_path
+
+SCRIPT = script_path("probe_repair_kernel.py")
 
 
 def load_probe():
-    spec = importlib.util.spec_from_file_location("probe_repair_kernel", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("probe_repair_kernel.py")
 
 
 def test_small_cases_cover_every_kernel_path():
@@ -62,3 +58,16 @@ def test_without_a_gpu_it_says_so_and_exits_0():
     run = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "needs a CUDA GPU" in run.stdout
+
+
+def test_match_keeps_one_case_and_refuses_none():
+    """--match picks the case that device_run.sh's per-instruction profile
+    runs (PROFILE_MATCH's default), and a text that matches nothing is an
+    error, not an empty run."""
+    run = subprocess.run([sys.executable, SCRIPT, "--list", "--cases", "bench", "--match",
+                          "32x24x360x64 one_per_head"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["bf16 d128 32x24x360x64 one_per_head mask bshd"]
+    none = subprocess.run([sys.executable, SCRIPT, "--list", "--match", "no such case"],
+                          capture_output=True, text=True, timeout=120)
+    assert none.returncode == 2 and "no small case matches" in none.stderr

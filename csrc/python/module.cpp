@@ -13,6 +13,7 @@
 #include "../guards.h"
 #include "../ops.h"
 #include "../repair_counter.h"
+#include "../repair_dq.h"
 #include "../sdpa_call.h"
 #include "../settings.h"
 
@@ -119,4 +120,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Re-read the OPENWAM_SDPA_* environment variables.");
   m.def("repaired_rows", &openwam::read_repaired_rows, py::arg("reset") = false,
         "dQ rows the GPU repaired since the last reset (synchronises).");
+  // The tests, benchmarks and probes read it here instead of repeating -40.
+  m.attr("REPAIR_LSE_THRESHOLD") = openwam::kRepairLseThreshold;
 }

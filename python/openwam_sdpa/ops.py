@@ -144,10 +144,16 @@ def reload_settings() -> dict:
     return _C.reload_settings()
 
 
+#: Query rows whose logsumexp is finite and below this are the rows the dQ
+#: repair recomputes (and repaired_rows() counts).
+REPAIR_LSE_THRESHOLD: float = _C.REPAIR_LSE_THRESHOLD
+
+
 def repaired_rows(reset: bool = False) -> int:
     """How many dQ rows the GPU recomputed (the key-tail defect fired there)
-    since the process started or the last reset=True. Synchronises with the
-    GPU; call it at step boundaries, e.g. for logging. 0 without CUDA."""
+    since the process started or the last reset=True: rows whose logsumexp
+    is finite and below REPAIR_LSE_THRESHOLD. Synchronises with the GPU; call
+    it at step boundaries, e.g. for logging. 0 without CUDA."""
     return _C.repaired_rows(reset)
 
 

@@ -31,6 +31,8 @@ from typing import NamedTuple, Optional
 import pytest
 import torch
 
+import openwam_sdpa
+
 from .conftest import (
     GPU_MARKS,
     SDPBackend,
@@ -41,7 +43,7 @@ from .conftest import (
 
 pytestmark = GPU_MARKS
 
-THRESHOLD = -40.0  # kRepairLseThreshold (csrc/repair_dq.h)
+THRESHOLD = openwam_sdpa.REPAIR_LSE_THRESHOLD  # kRepairLseThreshold (csrc/repair_dq.h)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -355,7 +357,7 @@ t = threading.Thread(target=worker)
 t.start()
 t.join()
 torch.cuda.synchronize()
-rows = lse.squeeze(-1) < -40.0
+rows = lse.squeeze(-1) < openwam_sdpa.REPAIR_LSE_THRESHOLD
 print("ERRORS", errors, "AFFECTED", int(rows.sum()),
       "SAME", bool(torch.equal(eager[rows], threaded[rows])),
       "NONFINITE", int((~threaded[rows].isfinite()).sum()))
