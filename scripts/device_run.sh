@@ -30,13 +30,18 @@
 #           (probe_repair_kernel.py --cases bench; report in $OUT/ncu.txt),
 #           then its stalls per SASS instruction on one case (PROFILE_MATCH,
 #           default "32x24x360x64 one_per_head"; $OUT/ncu_source.csv)
+#   ab      the repair kernel alone, a base revision against this tree on the
+#           same machine: `bash scripts/ab_prepare.sh REV` here first and
+#           carry build/ab_base; builds it in place, then alternates
+#           bench_repair_kernel.py base, new (AB_ROUNDS pairs, default 2;
+#           AB_ARGS, e.g. --quick); table in $OUT/ab.txt (scripts/ab_compare.py)
 # A test part on a machine without the built extension builds it first.
 #
 # Files under $OUT (at most 8 come back): build.log (extension + CMake build),
 # tests.log (ctest and both pytest runs), gpu_suite_results.{json,md} (written
 # by tests/gpu/conftest.py), doctor.txt, bench/bench.{json,md,png}, repair.txt
 # and repair/repair_kernel.json, host/host.{json,md}, sanitize.txt, ncu.txt,
-# ncu_source.csv.
+# ncu_source.csv, ab.txt.
 # With JUNIT=1 also pytest_gpu.xml. Choose parts whose files number 8 or fewer.
 # The summary table is printed last. The whole run stops itself before
 # DEVICE_BUDGET_S seconds (default 560; the tool's limit is 600): parts that
@@ -92,7 +97,7 @@ section() { local f=$1; shift; printf '\n===== %s =====\n' "$*" >>"$f"; }
 parts=("$@")
 ((${#parts[@]})) || parts=(build tests doctor bench)
 want_build=0 want_ctest=0 want_cpu=0 want_gpu=0 want_doctor=0 want_bench=0 want_sweep=0 want_pytorch=0
-want_repair=0 want_host=0 want_sanitize=0 want_profile=0
+want_repair=0 want_host=0 want_sanitize=0 want_profile=0 want_ab=0
 for p in "${parts[@]}"; do
   case $p in
     build) want_build=1 ;;
@@ -105,11 +110,12 @@ for p in "${parts[@]}"; do
     sweep) want_sweep=1 ;;
     pytorch) want_pytorch=1 ;;
     repair) want_repair=1 ;;
+    ab) want_ab=1 ;;
     host) want_host=1 ;;
     sanitize) want_sanitize=1 ;;
     profile) want_profile=1 ;;
     all) want_build=1 want_ctest=1 want_cpu=1 want_gpu=1 want_doctor=1 want_bench=1 ;;
-    *) echo "device_run.sh: unknown part '$p' (build ctest cpu gpu tests doctor sweep pytorch bench repair host sanitize profile all)"; exit 2 ;;
+    *) echo "device_run.sh: unknown part '$p' (build ctest cpu gpu tests doctor sweep pytorch bench repair host sanitize profile ab all)"; exit 2 ;;
   esac
 done
 
@@ -127,7 +133,7 @@ cmake $(cmake --version 2>/dev/null | head -1 | grep -oE '[0-9.]+$'), $(nproc) c
 TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, parts: ${parts[*]}"
 
 st_build="-" st_ctest="-" st_cpu="-" st_gpu="-" st_doctor="-" st_bench="-" st_sweep="-" st_pytorch="-" build_s="-"
-st_repair="-" st_host="-" st_sanitize="-" st_profile="-"
+st_repair="-" st_host="-" st_sanitize="-" st_profile="-" st_ab="-"
 
 ext_importable() {
   (cd /tmp && "$PY" -c 'import openwam_sdpa._C' >/dev/null 2>&1)
@@ -159,7 +165,7 @@ do_build() {
   fi
   say "build: $st_build"
 }
-if ((want_build)) || { ((want_cpu || want_gpu || want_doctor || want_bench || want_sweep || want_pytorch || want_repair || want_host || want_sanitize || want_profile)) && ! ext_importable; }; then
+if ((want_build)) || { ((want_cpu || want_gpu || want_doctor || want_bench || want_sweep || want_pytorch || want_repair || want_host || want_sanitize || want_profile || want_ab)) && ! ext_importable; }; then
   do_build
 fi
 
@@ -277,6 +283,45 @@ if ((want_repair)); then
   script_part repair 240 "$OUT/repair.txt" "$PY" benchmarks/bench_repair_kernel.py --out "$OUT/repair"
   st_repair=$REPLY
 fi
+# Base and new built on this machine and run in turns: the spread between
+# two machines on the same code (3-5%, runs F1-F6 of 2026-12-01) is larger
+# than the kernel changes it would have to show.
+if ((want_ab)); then
+  if [[ ! -f build/ab_base/setup.py ]]; then
+    st_ab="FAILED: no build/ab_base (run scripts/ab_prepare.sh REV, then carry build/ab_base)"
+  else
+    section "$TESTS_LOG" "ab: base $(cat build/ab_base/REVISION 2>/dev/null) (build_ext --inplace --force: never a carried build)"
+    run_limited 300 "$TESTS_LOG" bash -c 'cd build/ab_base && "$0" setup.py -q build_ext --inplace --force' "$PY"
+    rc=$?
+    base_py=(env PYTHONPATH="$ROOT/build/ab_base/python" "$PY")
+    where=$(cd /tmp && "${base_py[@]}" -c 'import openwam_sdpa; print(openwam_sdpa.__file__)' 2>&1)
+    if ((rc != 0)); then
+      st_ab="FAILED: the base did not build (rc $rc; tests.log)"
+    elif [[ "$where" != "$ROOT/build/ab_base/"* ]]; then
+      st_ab="FAILED: the base run would import $where"
+    else
+      base=() new=() rc=0
+      for ((i = 1; i <= ${AB_ROUNDS:-2}; i++)); do
+        section "$TESTS_LOG" "ab: round $i"
+        # shellcheck disable=SC2086  # AB_ARGS: options, split on spaces
+        run_limited 150 "$TESTS_LOG" "${base_py[@]}" build/ab_base/benchmarks/bench_repair_kernel.py \
+          ${AB_ARGS:-} --out "$OUT/ab/base_$i" || rc=1
+        # shellcheck disable=SC2086
+        run_limited 150 "$TESTS_LOG" "$PY" benchmarks/bench_repair_kernel.py ${AB_ARGS:-} \
+          --out "$OUT/ab/new_$i" || rc=1
+        base+=("$OUT/ab/base_$i/repair_kernel.json")
+        new+=("$OUT/ab/new_$i/repair_kernel.json")
+      done
+      {
+        echo "# base $(cat build/ab_base/REVISION 2>/dev/null) against this tree, one machine; kernel µs (profiler)"
+        "$PY" scripts/ab_compare.py --base "${base[@]}" --new "${new[@]}"
+      } >"$OUT/ab.txt" 2>>"$TESTS_LOG" || rc=1
+      rm -rf "$OUT/ab"  # the table holds every run's figure
+      if ((rc == 0)); then st_ab="ok (ab.txt)"; else st_ab="FAILED (tests.log)"; fi
+    fi
+  fi
+  say "ab: $st_ab"
+fi
 if ((want_host)); then
   script_part host 300 "$TESTS_LOG" "$PY" benchmarks/bench_host.py --out "$OUT/host"
   st_host=$REPLY
@@ -340,11 +385,11 @@ echo
 echo "==================== device_run summary ($((SECONDS - T0))s) ===================="
 printf '%-7s %s\n' build "$st_build" ctest "$st_ctest" cpu "$st_cpu" gpu "$st_gpu" doctor "$st_doctor" \
   sweep "$st_sweep" pytorch "$st_pytorch" bench "$st_bench" repair "$st_repair" host "$st_host" \
-  sanitize "$st_sanitize" profile "$st_profile"
+  sanitize "$st_sanitize" profile "$st_profile" ab "$st_ab"
 printf '%-7s %s\n' files "$nfiles under \$OUT$( ((nfiles > 8)) && echo ' (OVER 8: some will not come back)')"
 fail=0
 for s in "$st_build" "$st_ctest" "$st_cpu" "$st_gpu" "$st_doctor" "$st_sweep" "$st_pytorch" "$st_bench" \
-         "$st_repair" "$st_host" "$st_sanitize" "$st_profile"; do
+         "$st_repair" "$st_host" "$st_sanitize" "$st_profile" "$st_ab"; do
   [[ "$s" == "-" || "$s" == ok* || "$s" == "no benchmarks"* ]] || fail=1
 done
 exit $fail
