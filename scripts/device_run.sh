@@ -32,9 +32,10 @@
 #           default "32x24x360x64 one_per_head"; $OUT/ncu_source.csv)
 #   ab      the repair kernel alone, a base revision against this tree on the
 #           same machine: `bash scripts/ab_prepare.sh REV` here first and
-#           carry build/ab_base; builds it in place, then alternates
-#           bench_repair_kernel.py base, new (AB_ROUNDS pairs, default 2;
-#           AB_ARGS, e.g. --quick); table in $OUT/ab.txt (scripts/ab_compare.py)
+#           carry build/ab_base; builds it in place, then runs
+#           bench_repair_kernel.py base, new, new, base, ... (AB_ROUNDS
+#           pairs, default 2; AB_ARGS, e.g. --quick); table in $OUT/ab.txt
+#           (scripts/ab_compare.py)
 # A test part on a machine without the built extension builds it first.
 #
 # Files under $OUT (at most 8 come back): build.log (extension + CMake build),
@@ -301,16 +302,21 @@ if ((want_ab)); then
       st_ab="FAILED: the base run would import $where"
     else
       base=() new=() rc=0
+      run_base() {  # shellcheck disable=SC2086  # AB_ARGS: options, split on spaces
+        run_limited 150 "$TESTS_LOG" "${base_py[@]}" build/ab_base/benchmarks/bench_repair_kernel.py \
+          ${AB_ARGS:-} --out "$OUT/ab/base_$1" || rc=1
+        base+=("$OUT/ab/base_$1/repair_kernel.json")
+      }
+      run_new() {  # shellcheck disable=SC2086
+        run_limited 150 "$TESTS_LOG" "$PY" benchmarks/bench_repair_kernel.py ${AB_ARGS:-} \
+          --out "$OUT/ab/new_$1" || rc=1
+        new+=("$OUT/ab/new_$1/repair_kernel.json")
+      }
+      # Base first in odd rounds, new first in even ones: an order effect
+      # falls on both sides.
       for ((i = 1; i <= ${AB_ROUNDS:-2}; i++)); do
         section "$TESTS_LOG" "ab: round $i"
-        # shellcheck disable=SC2086  # AB_ARGS: options, split on spaces
-        run_limited 150 "$TESTS_LOG" "${base_py[@]}" build/ab_base/benchmarks/bench_repair_kernel.py \
-          ${AB_ARGS:-} --out "$OUT/ab/base_$i" || rc=1
-        # shellcheck disable=SC2086
-        run_limited 150 "$TESTS_LOG" "$PY" benchmarks/bench_repair_kernel.py ${AB_ARGS:-} \
-          --out "$OUT/ab/new_$i" || rc=1
-        base+=("$OUT/ab/base_$i/repair_kernel.json")
-        new+=("$OUT/ab/new_$i/repair_kernel.json")
+        if ((i % 2)); then run_base "$i"; run_new "$i"; else run_new "$i"; run_base "$i"; fi
       done
       {
         echo "# base $(cat build/ab_base/REVISION 2>/dev/null) against this tree, one machine; kernel µs (profiler)"
@@ -348,13 +354,17 @@ if ((want_profile)); then
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
     --section WarpStateStats --section SchedulerStats --section LaunchStats --csv --page details \
     "$PY" scripts/probe_repair_kernel.py --cases bench
-  st_profile=$REPLY
+  details=$REPLY
   # Where the warps of one case stall, per SASS instruction (sampled).
   script_part "profile source" 120 "$OUT/ncu_source.csv" ncu --clock-control none \
     --kernel-name regex:repair_kernel --section WarpStateStats --section SourceCounters \
     --csv --page source --print-source sass \
     "$PY" scripts/probe_repair_kernel.py --cases bench --match "${PROFILE_MATCH:-32x24x360x64 one_per_head}"
-  st_profile="$st_profile; source: $REPLY"
+  if [[ "$details" == ok && "$REPLY" == ok ]]; then
+    st_profile="ok (details, source)"
+  else
+    st_profile="FAILED: details $details, source $REPLY"
+  fi
 fi
 
 # ------------------------------------------------------------ benchmark

@@ -90,16 +90,19 @@ class Samples(NamedTuple):
 
 
 def read_samples(lines: List[str]) -> Samples:
-    """ncu --page source --csv --print-source sass: a "Kernel Name" line, then
-    one row per instruction (the tool's own messages around them are skipped)."""
-    kernel = ""
-    for text in lines:
-        if text.startswith('"Kernel Name"'):
-            kernel = next(csv.reader([text]))[1]
-            break
-    start = next((i for i, t in enumerate(lines) if t.startswith('"Address"')), None)
-    if start is None:
+    """ncu --page source --csv --print-source sass of one launch: a "Kernel
+    Name" line, then one row per instruction (the tool's own messages around
+    them are skipped). ValueError for no table or several (one per launch
+    profiled: narrow PROFILE_MATCH to one case)."""
+    names = [i for i, t in enumerate(lines) if t.startswith('"Kernel Name"')]
+    tables = [i for i, t in enumerate(lines) if t.startswith('"Address"')]
+    if not tables:
         raise ValueError("no per-instruction table (a line starting with \"Address\")")
+    if len(tables) > 1 or len(names) > 1:
+        raise ValueError(f"{max(len(tables), len(names))} profiled launches in one file: "
+                         "profile one (PROFILE_MATCH)")
+    kernel = next(csv.reader([lines[names[0]]]))[1] if names else ""
+    start = tables[0]
     rows = list(csv.reader(lines[start:]))
     header, rows = rows[0], [r for r in rows[1:] if len(r) == len(rows[0])]
     col = {name: i for i, name in enumerate(header)}
@@ -153,6 +156,7 @@ def report(samples: Samples, where: List[Line], top: int) -> str:
     for st in samples.stalls:
         reasons.update(st)
     out = [f"kernel: {samples.kernel}",
+           f"{len(samples.offsets)} SASS instructions ({16 * len(samples.offsets) / 1024:.1f} KB); "
            f"{sum(samples.total)} stall samples, {sum(samples.executed)} warp instructions executed",
            "reasons: " + ", ".join(f"{r} {100 * n / all_samples:.1f}%"
                                    for r, n in reasons.most_common(8)),
@@ -177,8 +181,12 @@ def main(argv=None) -> int:
                          "(default: the profiled kernel's template arguments)")
     ap.add_argument("--top", type=int, default=30, help="lines to list (default 30)")
     args = ap.parse_args(argv)
-    with open(args.samples, errors="replace") as f:
-        samples = read_samples(f.read().splitlines())
+    try:
+        with open(args.samples, errors="replace") as f:
+            samples = read_samples(f.read().splitlines())
+    except (OSError, ValueError) as e:
+        print(f"ncu_stalls: {args.samples}: {e}", file=sys.stderr)
+        return 2
     function = args.function or mangled_hint(samples.kernel)
     with open(args.sass) as f:
         sass = read_sass(f.read().splitlines(), function)

@@ -81,9 +81,23 @@ def test_command_line_report(tmp_path):
     run = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "s.csv"), str(tmp_path / "k.sass")],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
-    assert "16 stall samples, 896 warp instructions executed" in run.stdout
+    assert "4 SASS instructions (0.1 KB); 16 stall samples, 896 warp instructions executed" \
+        in run.stdout
     assert "barrier 56.2%" in run.stdout
     assert "repair_dq_tile.cuh:12" in run.stdout
     bad = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "s.csv"), str(tmp_path / "k.sass"),
                           "--function", "NoSuchKernel"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "no function matching" in bad.stderr
+
+
+def test_several_launches_or_none_are_refused_without_a_traceback(tmp_path):
+    """A PROFILE_MATCH that matches several cases puts one table per launch
+    in the file; a profile that timed out puts none."""
+    (tmp_path / "k.sass").write_text(SASS)
+    (tmp_path / "two.csv").write_text(csv_text(ROWS) + csv_text(ROWS))
+    (tmp_path / "none.csv").write_text("==PROF== Connected to process 1\n")
+    for name, message in (("two.csv", "2 profiled launches"), ("none.csv", "no per-instruction")):
+        run = subprocess.run([sys.executable, SCRIPT, str(tmp_path / name), str(tmp_path / "k.sass")],
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2, name
+        assert message in run.stderr and "Traceback" not in run.stderr, run.stderr

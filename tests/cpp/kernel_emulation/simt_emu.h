@@ -9,13 +9,16 @@
 // instead, so a stage refilled before every warp is done with it shows up. Shared memory starts
 // filled with 0xff bytes (NaN in bf16/fp16) so that unwritten reads show.
 // Semantics follow the PTX ISA (ldmatrix, mma.m16n8k16 fragment layouts).
-// OPENWAM_REPAIR_TRACE_TILE records each tile of work in emu::tile_trace.
+// OPENWAM_REPAIR_TRACE_TILE records each tile of work in emu::tile_trace and
+// fills the shared memory past the header with 0xff again, so that any tile
+// (not only a block's first) that reads rows it never loaded shows.
 #pragma once
 
 #define OPENWAM_REPAIR_EMULATE 1
 
 #include <ucontext.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -290,13 +293,20 @@ struct TileRecord {
 };
 inline std::vector<TileRecord> tile_trace;
 
-inline void trace_tile(int64_t head, int64_t work, int n_rows) {
-  if (cur->tid.x == 0) tile_trace.push_back({blk->bid.x, head, work, n_rows});
+// Called by every thread of the block, between tiles (no copy in flight).
+inline void trace_tile(int64_t head, int64_t work, int n_rows, size_t header_bytes) {
+  block_sync();  // every thread is past the previous tile
+  if (cur->tid.x == 0) {
+    tile_trace.push_back({blk->bid.x, head, work, n_rows});
+    std::fill(blk->smem.begin() + header_bytes, blk->smem.end(), 0xff);
+  }
+  block_sync();
 }
 
 }  // namespace emu
 
-#define OPENWAM_REPAIR_TRACE_TILE(head, work, n_rows) emu::trace_tile((head), (work), (n_rows))
+#define OPENWAM_REPAIR_TRACE_TILE(head, work, n_rows) \
+  emu::trace_tile((head), (work), (n_rows), openwam::repair::TileSmem::kHeaderBytes)
 
 namespace openwam {
 namespace repair {

@@ -941,6 +941,25 @@ TEST_CASE("repair kernels emulated on the CPU", "[repair][emulated]") {
     c.name = "bf16 d64 448x40, 150 rows per head: 3 tiles of work of 7";
     c.H = 2, c.Hkv = 2, c.s_q = 448, c.s_kv = 40, c.rows_per_head = 150, c.slots = 3;
     bf.push_back(c);
+    // Narrow tiles (16 rows of Q, dO and bias loaded) at the other widths,
+    // with and without vector loads, and after a wide tile in the same block.
+    c = Case<Bf16>();
+    c.name = "bf16 d256 40x150, one row per head, full bias, causal: narrow, Q from smem";
+    c.D = 256, c.s_q = 40, c.s_kv = 150, c.share = -1, c.bias = Case<Bf16>::kFull, c.causal = true;
+    bf.push_back(c);
+    c = Case<Bf16>();
+    c.name = "bf16 d256 40x150, 10 rows per head, padded rows: narrow, element loads";
+    c.D = 256, c.s_q = 40, c.s_kv = 150, c.rows_per_head = 10, c.layout = Layout::kPadded;
+    bf.push_back(c);
+    c = Case<Bf16>();
+    c.name = "bf16 d8 40x100, one row per head, row bias: narrow, one column tile";
+    c.D = 8, c.s_q = 40, c.s_kv = 100, c.share = -1, c.bias = Case<Bf16>::kRows;
+    bf.push_back(c);
+    c = Case<Bf16>();
+    c.name = "bf16 d72 200x100, 70 rows per head, one block, full bias: wide then narrow";
+    c.D = 72, c.s_q = 200, c.s_kv = 100, c.rows_per_head = 70, c.slots = 1;
+    c.bias = Case<Bf16>::kFull;
+    bf.push_back(c);
     Case<Fp16> f;
     // 2 tiles of work (100 rows) at tiles 0 and 3, runs of 3 and 4 items.
     f.name = "fp16 d64 448x40, 100 rows per head: 2 tiles of work of 7";
@@ -953,6 +972,20 @@ TEST_CASE("repair kernels emulated on the CPU", "[repair][emulated]") {
     f.name = "fp16 d64 bshd key bias one per head";
     f.D = 64, f.s_q = 50, f.s_kv = 200, f.share = -1, f.layout = Layout::kBshd;
     f.bias = Case<Fp16>::kKeyPad;
+    fp.push_back(f);
+    // Narrow fp16 tiles (centred keys) at widths 256 and 128, element loads.
+    f = Case<Fp16>();
+    f.name = "fp16 d256 40x150, one row per head, full bias: narrow";
+    f.D = 256, f.s_q = 40, f.s_kv = 150, f.share = -1, f.bias = Case<Fp16>::kFull;
+    fp.push_back(f);
+    f = Case<Fp16>();
+    f.name = "fp16 d72 60x130, 5 rows per head, padded, full bias, 2 stages: narrow";
+    f.D = 72, f.s_q = 60, f.s_kv = 130, f.rows_per_head = 5, f.layout = Layout::kPadded;
+    f.bias = Case<Fp16>::kFull, f.stages = 2;
+    fp.push_back(f);
+    f = Case<Fp16>();
+    f.name = "fp16 d120 80x70, 16 rows per head, one block: narrow at its largest";
+    f.D = 120, f.s_q = 80, f.s_kv = 70, f.rows_per_head = 16, f.slots = 1;
     fp.push_back(f);
   }
   for (const bool drift : {false, true}) {
