@@ -363,7 +363,8 @@ def assert_close_to_reference(name, x, ref, dtype, ulps=4.0):
 # Scripts
 # --------------------------------------------------------------------------
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+SCRIPTS = os.path.join(ROOT, "scripts")
 
 
 def script_path(name: str) -> str:

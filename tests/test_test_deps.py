@@ -2,11 +2,10 @@
 scripts (test.sh, test_torch_version.sh) install: what it reports missing
 for a given python."""
 
-import os
 import stat
 import subprocess
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support import ROOT
 
 
 def missing_for(tmp_path, fake_python_body):

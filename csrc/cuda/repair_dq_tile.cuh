@@ -174,13 +174,8 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
     loader.keys(stage, k_head, p.k_st.s, kb * kKeyBlock, p.s_kv, p.vec);
     loader.keys(stage + layout.kv_tile_bytes(), v_head, p.v_st.s, kb * kKeyBlock, p.s_kv, p.vec);
     if (has_bias) {
-      if (n_rows <= kNarrowRows) {
-        load_bias_tile<kNarrowRows>(stage + 2 * layout.kv_tile_bytes(), bias_head, p.bias_s,
-                                    p.bias_e, p.s_kv, hdr.row, n_rows, kb, p.bias_vec);
-      } else {
-        load_bias_tile<kTileRows>(stage + 2 * layout.kv_tile_bytes(), bias_head, p.bias_s,
-                                  p.bias_e, p.s_kv, hdr.row, n_rows, kb, p.bias_vec);
-      }
+      load_bias_tile(stage + 2 * layout.kv_tile_bytes(), bias_head, p.bias_s, p.bias_e, p.s_kv,
+                     hdr.row, n_rows, kb, p.bias_vec);
     }
   };
 

@@ -106,13 +106,9 @@ struct TileLoader {
   }
 };
 
-// The bias of the listed rows s_row[0 .. n_rows - 1] for keys kb*64 ..
-// kb*64+63 (zeros up to kRows = tile_rows_loaded(n_rows)), rows kBiasPitch
-// elements apart (not swizzled: read element-wise, see kBiasPitch). `head`
-// is the bias of the (b, h), `row_stride` and `key_stride` its strides;
-// `vec`: rows 16-byte aligned, keys contiguous.
+// load_bias_tile's loop over kRows rows (zeros past n_rows).
 template <int kRows>
-__device__ __forceinline__ void load_bias_tile(int tile, const uint16_t* head,
+__device__ __forceinline__ void load_bias_rows(int tile, const uint16_t* head,
                                                int64_t row_stride, int64_t key_stride, int s_kv,
                                                const int* s_row, int n_rows, int kb, bool vec) {
   constexpr int kChunksPerRow = kKeyBlock / 8;
@@ -143,6 +139,21 @@ __device__ __forceinline__ void load_bias_tile(int tile, const uint16_t* head,
       w.w = e[6] | (static_cast<uint32_t>(e[7]) << 16);
       *reinterpret_cast<uint4*>(smem + off) = w;
     }
+  }
+}
+
+// The bias of the listed rows s_row[0 .. n_rows - 1] for keys kb*64 ..
+// kb*64+63 (zeros up to tile_rows_loaded(n_rows)), rows kBiasPitch elements
+// apart (not swizzled: read element-wise, see kBiasPitch). `head` is the bias
+// of the (b, h), `row_stride` and `key_stride` its strides; `vec`: rows
+// 16-byte aligned, keys contiguous.
+__device__ __forceinline__ void load_bias_tile(int tile, const uint16_t* head, int64_t row_stride,
+                                               int64_t key_stride, int s_kv, const int* s_row,
+                                               int n_rows, int kb, bool vec) {
+  if (n_rows <= kNarrowRows) {
+    load_bias_rows<kNarrowRows>(tile, head, row_stride, key_stride, s_kv, s_row, n_rows, kb, vec);
+  } else {
+    load_bias_rows<kTileRows>(tile, head, row_stride, key_stride, s_kv, s_row, n_rows, kb, vec);
   }
 }
 
