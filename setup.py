@@ -5,7 +5,8 @@
 # the extension would then fail to load (undefined symbols) in the real one.
 #
 # Environment knobs:
-#   TORCH_CUDA_ARCH_LIST   CUDA targets (default "8.0;9.0;10.0"; sm90 matters)
+#   TORCH_CUDA_ARCH_LIST   CUDA targets (default "8.0;9.0a;10.0"; sm90a matters:
+#                          the repair kernel uses Hopper's wgmma there)
 #   OPENWAM_SDPA_NO_CUDA=1 build the CPU-only extension even on a CUDA torch
 #   OPENWAM_SDPA_CXX_STD   force the C++ standard (17 or 20)
 #   OPENWAM_SDPA_DEBUG=1   keep debug info (-g; host code at -O0)
@@ -31,7 +32,7 @@ except ImportError as e:  # pragma: no cover - only hit on a broken setup
     )
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_CUDA_ARCH_LIST = "8.0;9.0;10.0"
+DEFAULT_CUDA_ARCH_LIST = "8.0;9.0a;10.0"
 
 
 def _rel(paths):

@@ -50,7 +50,7 @@
 #
 # Environment: PYTEST_ARGS (extra args for both pytest runs, split on spaces:
 #   write `--deselect=ID` or `-k name`, not a quoted multi-word -k), BENCH_ARGS,
-#   TORCH_CUDA_ARCH_LIST (default 9.0), MAX_JOBS (default: cores),
+#   TORCH_CUDA_ARCH_LIST (default 9.0a), MAX_JOBS (default: cores),
 #   FULL_BUILD=1 (always the pip build), JUNIT=1, DEVICE_BUDGET_S,
 #   GPU_CAP (the GPU suite's time limit, default 420 s: it took 296-316 s on
 #   the H200 on 2026-12-01, over the 300 s it had before).
@@ -65,7 +65,7 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1   # nothing outside can be reached
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 # The machine's default CXX, /opt/gcc/bin/g++, links a private copy of
 # libstdc++'s stream code into the extension, which then segfaults formatting

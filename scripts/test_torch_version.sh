@@ -57,7 +57,7 @@ LOGS=$WORK/logs
 VPY=$VENV/bin/python
 mkdir -p "$LOGS" "$SRC" || exit 1
 
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 # The venv's own site-packages only: no openwam_sdpa from the checkout.

@@ -53,27 +53,55 @@ template <typename T>
 OPENWAM_HD T cmax(T a, T b) { return a < b ? b : a; }
 
 // ---------------------------------------------------------------- tiles
-// Q, dO, K and V tiles live in shared memory as rows of kChunks 16-byte
-// chunks (8 elements each). Chunk c of row r is stored at chunk c ^ (r % 8):
+// Q, dO, K and V tiles (64 rows each: kTileRows query rows, kKeyBlock keys)
+// live in shared memory as column blocks of 64 elements: block b holds
+// columns 64 b .. 64 b + 63 of all 64 rows, 128 bytes (8 chunks of 16 bytes)
+// a row. Chunk c of a row is stored at chunk c ^ (row % 8) of its 128 bytes:
 // ldmatrix reads one chunk column of 8 consecutive rows, and this XOR puts
-// those 8 chunks in 8 different bank groups (no conflicts); the cp.async
-// writes of a row stay contiguous in 128-byte groups.
+// those 8 chunks in 8 different bank groups (no conflicts). With each tile
+// 1024-byte aligned this is exactly the 128-byte swizzle of Hopper's wgmma
+// shared-memory descriptors (bits 4-6 of an address XOR bits 7-9), so the
+// same tiles feed ldmatrix and wgmma (gmma_desc below).
+constexpr int kTileRowBytes = 128;                 // one column block's row
+constexpr int kColumnBlockBytes = 64 * kTileRowBytes;  // 64 rows of a column block
+static_assert(kTileRows == 64 && kKeyBlock == 64, "tiles of 64 rows");
+
 template <int kChunks>
 OPENWAM_HD int tile_offset(int row, int chunk) {
   static_assert(kChunks >= 8 && kChunks % 8 == 0, "a row must hold at least 8 chunks");
-  return (row * kChunks + (chunk ^ (row & 7))) * 16;
+  return (chunk >> 3) * kColumnBlockBytes + row * kTileRowBytes + ((chunk & 7) ^ (row & 7)) * 16;
 }
 
 // The same offset split for ldmatrix, whose rows always start at a multiple
 // of 8 plus lane % 8: tile_offset<kChunks>(row, 2 step + bit) equals
-//   row * kChunks * 16 + lane_chunk_offset(lane, bit, step % 4) + step_offset(step).
+//   row * kTileRowBytes + lane_chunk_offset(lane, bit, step % 4) + step_offset(step).
 // With `step` a compile-time constant, a kernel keeps 4 lane offsets in
 // registers and the rest folds into the instruction's immediate offset
 // (instead of one register per address, which spills at head_dim 256).
 OPENWAM_HD int lane_chunk_offset(int lane, int bit, int step4) {
   return ((2 * step4 + bit) ^ (lane & 7)) * 16;
 }
-OPENWAM_HD constexpr int step_offset(int step) { return (step >> 2) * 128; }
+OPENWAM_HD constexpr int step_offset(int step) { return (step >> 2) * kColumnBlockBytes; }
+
+// ---------------------------------------------------------------- wgmma
+// A Hopper wgmma shared-memory matrix descriptor for the tiles above, with
+// the 128-byte swizzle (PTX ISA, "Matrix Descriptor Format"): start address,
+// leading and stride byte offsets (all in 16-byte units), layout type 1
+// (128B swizzle) in bits 62-63, base offset 0 (every operand starts at a
+// multiple of 1024 bytes plus at most 96: bits 7-9 of it are 0).
+//   K-major operands (K or V as the B of Q K^T and dO V^T: 8 rows of 128
+//   bytes per swizzle atom): stride = 1024 (from one 8-row group to the
+//   next), leading unused (1).
+//   MN-major operands (K as the B of dS K, transposed: keys are the k of the
+//   product, head_dim its n): leading = kColumnBlockBytes (from one 64-column
+//   block to the next), stride = 1024 (from one group of 8 keys to the next).
+OPENWAM_HD uint64_t gmma_desc(uint32_t smem_addr, uint32_t leading_bytes, uint32_t stride_bytes) {
+  return static_cast<uint64_t>((smem_addr >> 4) & 0x3fff) |
+         (static_cast<uint64_t>((leading_bytes >> 4) & 0x3fff) << 16) |
+         (static_cast<uint64_t>((stride_bytes >> 4) & 0x3fff) << 32) |
+         (static_cast<uint64_t>(1) << 62);
+}
+constexpr uint32_t kGmmaGroupBytes = 8 * kTileRowBytes;  // one 8-row swizzle atom
 
 // ---------------------------------------------------------------- mma.m16n8k16
 // Lane `lane` of a warp holds accumulator elements e = 0..3 of a 16 x 8 tile

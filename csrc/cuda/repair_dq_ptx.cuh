@@ -18,8 +18,10 @@ namespace repair {
 #endif
 
 // The block's dynamic shared memory (one declaration for every kernel).
+// 1024-byte aligned: the tiles' 128-byte swizzle is the wgmma descriptors'
+// only when bits 7-9 of a tile's address are 0 (repair_dq_layout.cuh).
 __device__ __forceinline__ unsigned char* smem_base() {
-  extern __shared__ __align__(128) unsigned char openwam_repair_smem[];
+  extern __shared__ __align__(1024) unsigned char openwam_repair_smem[];
   return openwam_repair_smem;
 }
 
@@ -78,6 +80,152 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
 #endif
 }
 
+// ---------------------------------------------------------------- wgmma
+// Hopper's warpgroup MMA (sm_90a only: the kernels built for other targets
+// keep mma.sync). The 4 warps of a repair block are one warpgroup; A comes
+// from registers (the mma.m16n8k16 A fragments of each warp's 16 rows, which
+// is wgmma's register layout for m64k16), B from a shared-memory tile through
+// a descriptor (gmma_desc), D is fp32 in the mma.m16n8 C layout per warp and
+// n-tile. Every call is asynchronous: D may be read only after wgmma_wait.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define OPENWAM_REPAIR_WGMMA 1
+#else
+#define OPENWAM_REPAIR_WGMMA 0
+#endif
+
+// Registers written by ordinary instructions (accumulators, A fragments)
+// are ordered before the wgmma that reads them.
+__device__ __forceinline__ void wgmma_fence() {
+#if OPENWAM_REPAIR_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+#if OPENWAM_REPAIR_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+// Wait until at most kPending committed groups are in flight.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+#if OPENWAM_REPAIR_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+#else
+  __trap();
+#endif
+}
+
+// Keeps the compiler from moving reads or writes of an accumulator across
+// the wgmma calls and waits around it (CUTLASS's warpgroup_fence_operand).
+template <int kN>
+__device__ __forceinline__ void wgmma_fence_operand(float (&d)[kN][4]) {
+#pragma unroll
+  for (int j = 0; j < kN; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+  }
+}
+
+// Shared memory written through the generic proxy (cp.async, st.shared) is
+// made visible to wgmma's reads, which go through the async proxy: each
+// writing thread, after its writes landed and before the barrier.
+__device__ __forceinline__ void fence_proxy_async() {
+#if OPENWAM_REPAIR_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// d (64 x N, fp32) (+)= a (64 x 16, registers) * B (16 x N at `desc`), for
+// N = 32, 64, 128. B is K-major (kTransB 0: K or V as the B of Q K^T and
+// dO V^T, rows of the tile = n) or MN-major (kTransB 1: K as the B of dS K,
+// rows of the tile = k). TYPE: bf16 or f16.
+#define OPENWAM_WGMMA_N32(TYPE) \
+  asm volatile( \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n" \
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " {" \
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, " \
+      "{%16,%17,%18,%19}, %20, p, 1, 1, %22;\n}\n" \
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
+          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]) \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate), \
+        "n"(kTransB))
+#define OPENWAM_WGMMA_N64(TYPE) \
+  asm volatile( \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {" \
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"   \
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, " \
+      "{%32,%33,%34,%35}, %36, p, 1, 1, %38;\n}\n" \
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
+          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
+          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
+          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]) \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate), \
+        "n"(kTransB))
+#define OPENWAM_WGMMA_N128(TYPE) \
+  asm volatile( \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {" \
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"   \
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"   \
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"   \
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, " \
+      "{%64,%65,%66,%67}, %68, p, 1, 1, %70;\n}\n" \
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
+          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
+          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
+          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), \
+          "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
+          "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
+          "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), \
+          "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
+          "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), \
+          "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), \
+          "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
+          "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]) \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate), \
+        "n"(kTransB))
+
+// The element type's wgmma: d (64 x 8 kN) (+)= a * B; Bf16::wgmma, ...
+#if OPENWAM_REPAIR_WGMMA
+#define OPENWAM_WGMMA_METHOD(TYPE)                                                        \
+  template <int kN, int kTransB>                                                         \
+  __device__ __forceinline__ static void wgmma(float(&d)[kN][4], const uint32_t(&a)[4],  \
+                                               uint64_t desc, int accumulate) {          \
+    static_assert(kN == 4 || kN == 8 || kN == 16, "wgmma n: 32, 64 or 128");             \
+    if constexpr (kN == 4) {                                                             \
+      OPENWAM_WGMMA_N32(TYPE);                                                           \
+    } else if constexpr (kN == 8) {                                                      \
+      OPENWAM_WGMMA_N64(TYPE);                                                           \
+    } else {                                                                             \
+      OPENWAM_WGMMA_N128(TYPE);                                                          \
+    }                                                                                    \
+  }
+#else
+#define OPENWAM_WGMMA_METHOD(TYPE)                                                        \
+  template <int kN, int kTransB>                                                         \
+  __device__ __forceinline__ static void wgmma(float(&)[kN][4], const uint32_t(&)[4],    \
+                                               uint64_t, int) {                          \
+    __trap();                                                                            \
+  }
+#endif
+
 // ---------------------------------------------------------------- elements
 // 16-bit storage with fp32 arithmetic. bf16 and fp16 differ only in these
 // conversions and in the mma instruction. Raw uint16_t everywhere, so none of
@@ -120,6 +268,7 @@ struct Bf16 {
     __trap();
 #endif
   }
+  OPENWAM_WGMMA_METHOD("bf16")
 };
 
 struct Fp16 {
@@ -154,6 +303,7 @@ struct Fp16 {
     __trap();
 #endif
   }
+  OPENWAM_WGMMA_METHOD("f16")
 };
 
 // 2^x, about 2 ulp; ex2(-inf) = +0.

@@ -36,10 +36,15 @@ void launch_repair_bf16(const ScanParams& scan, const TileParams& tiles, int dev
 void launch_repair_fp16(const ScanParams& scan, const TileParams& tiles, int device,
                         cudaStream_t stream);
 
+// Wide tiles on wgmma where the kernel is built for sm_90a and Q and dO stay
+// in registers (head_dim width 64 or 128); mma.sync elsewhere.
+template <int kWidth>
+constexpr bool kTileWgmma = OPENWAM_REPAIR_WGMMA && TileShape<kWidth>::kQInRegs;
+
 template <class Elt, int kWidth>
 __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSm<kWidth>)
     repair_kernel(const ScanParams scan, const TileParams tiles) {
-  repair_tiles<Elt, kWidth>(scan, tiles);
+  repair_tiles<Elt, kWidth, kTileWgmma<kWidth>>(scan, tiles);
 }
 
 // How the kernel runs on a device, without and with a bias (which adds a

@@ -5,7 +5,9 @@
 //   dP = dO V^T, dS = P (dP - delta), dQ += dS K.
 // Operands come from shared memory through ldmatrix (K and V; Q and dO when
 // they do not stay in registers); dS goes from accumulators straight into
-// the A operand of dS K.
+// the A operand of dS K. On sm_90a, wide tiles run the same math for the
+// whole block at once on wgmma (warpgroup_key_part), K and V read by the
+// tensor cores straight from the shared-memory tiles.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +31,10 @@ struct TileShape {
   // scores and dP of that many keys are live at once beside the dQ
   // accumulators (16 x 256 fp32 leave room for 16 keys, not 32).
   static constexpr int kWideNT = kWidth <= 128 ? 4 : 2;
+  // The same on wgmma (warpgroup_key_part): 32 keys too. The whole key
+  // block (m64n64 scores) was 7% slower at 4096x4032 every row (H200,
+  // 2026-12-01, runs G1-G2).
+  static constexpr int kWgmmaNT = 4;
 };
 
 // Everything a warp needs about its two accumulator rows (lane / 4 and 8
@@ -79,7 +85,7 @@ __device__ __forceinline__ void rows_times_keys(
     float (&acc)[kNT][4], const uint32_t (&frags)[TileShape<kWidth>::kFrags][4],
     uint32_t a_tile, int row0, uint32_t b_tile, int key0, const LaneChunks& lc, int lane) {
   using Shape = TileShape<kWidth>;
-  constexpr int kRowBytes = kWidth * 2;
+  constexpr int kRowBytes = kTileRowBytes;  // rows within a column block (tile_offset)
   const uint32_t a_row = a_tile + (row0 + ldsm_a_row(lane)) * kRowBytes;
   const uint32_t b_row = b_tile + (key0 + ldsm_b_row(lane)) * kRowBytes;
 #pragma unroll
@@ -101,27 +107,13 @@ __device__ __forceinline__ void rows_times_keys(
   }
 }
 
-// One warp, one key block, keys key0 .. key0 + 8 kNT - 1 of it:
-// dq_acc += dS K for the warp's 16 rows (row0..); with Elt::kCenterKeys
-// also ds_sum[rr] += the row's dS as rounded for the mma (this lane's
-// columns; the tile sums the quad), for the centring of repair_tile.
-template <class Elt, int kWidth, int kNT>
-__device__ __forceinline__ void warp_key_block(
-    float (&dq_acc)[TileShape<kWidth>::kDTiles][4], float (&ds_sum)[2],
-    const uint32_t (&qf)[TileShape<kWidth>::kFrags][4],
-    const uint32_t (&dof)[TileShape<kWidth>::kFrags][4], uint32_t q_tile, uint32_t do_tile,
-    uint32_t stage, const uint16_t* bias_tile, int kv_tile_bytes, int row0, int key0,
-    int key_base, float scale_log2, const WarpRows& wr, const LaneChunks& lc, int lane) {
-  using Shape = TileShape<kWidth>;
-  constexpr int kRowBytes = kWidth * 2;
-  const uint32_t k_tile = stage;
-  const uint32_t v_tile = stage + kv_tile_bytes;
-
-  // P = exp2(S scale log2e + bias log2e - lse log2e), 0 where masked.
-  float p[kNT][4];
-#pragma unroll
-  for (int j = 0; j < kNT; ++j) p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0.0f;
-  rows_times_keys<Elt, kWidth, kNT>(p, qf, q_tile, row0, k_tile, key0, lc, lane);
+// P = exp2(S scale log2e + bias log2e - lse log2e) in place of the scores S
+// of a warp's 16 rows (row0..) and keys key0 .. key0 + 8 kNT - 1 of the key
+// block; 0 where masked.
+template <class Elt, int kNT>
+__device__ __forceinline__ void scores_to_probs(float (&p)[kNT][4], const uint16_t* bias_tile,
+                                                int row0, int key0, int key_base,
+                                                float scale_log2, const WarpRows& wr, int lane) {
 #pragma unroll
   for (int j = 0; j < kNT; ++j) {
 #pragma unroll
@@ -140,35 +132,71 @@ __device__ __forceinline__ void warp_key_block(
       p[j][2 * rr + 1] = key_base + col + 1 < wr.limit[rr] ? fast_exp2(x1) : 0.0f;
     }
   }
+}
 
-  // dP = dO V^T, then dS = P (dP - delta) in place.
-  float ds[kNT][4];
-#pragma unroll
-  for (int j = 0; j < kNT; ++j) ds[j][0] = ds[j][1] = ds[j][2] = ds[j][3] = 0.0f;
-  rows_times_keys<Elt, kWidth, kNT>(ds, dof, do_tile, row0, v_tile, key0, lc, lane);
+// dS = P (dP - delta) in place of dP.
+template <int kNT>
+__device__ __forceinline__ void probs_to_ds(const float (&p)[kNT][4], float (&ds)[kNT][4],
+                                            const WarpRows& wr) {
 #pragma unroll
   for (int j = 0; j < kNT; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) ds[j][e] = p[j][e] * (ds[j][e] - wr.delta[e >> 1]);
   }
+}
 
-  // dQ += dS K: dS is already in A-operand order (FlashAttention-2's P V
-  // trick): n-tiles 2t and 2t+1 of the accumulator are k-step t.
+// The A operand of dS K for k-step t (keys 16 t .. 16 t + 15 of the kNT * 8):
+// dS is already in A-operand order (FlashAttention-2's P V trick), n-tiles
+// 2t and 2t+1 of the accumulator. With Elt::kCenterKeys also ds_sum[rr] +=
+// the row's dS as rounded for the mma (this lane's columns; the tile sums
+// the quad), for the centring of repair_tile.
+template <class Elt, int kNT>
+__device__ __forceinline__ void ds_operand(uint32_t (&a)[4], const float (&ds)[kNT][4], int t,
+                                           float (&ds_sum)[2]) {
+  a[0] = Elt::pack(ds[2 * t][0], ds[2 * t][1]);
+  a[1] = Elt::pack(ds[2 * t][2], ds[2 * t][3]);
+  a[2] = Elt::pack(ds[2 * t + 1][0], ds[2 * t + 1][1]);
+  a[3] = Elt::pack(ds[2 * t + 1][2], ds[2 * t + 1][3]);
+  if constexpr (Elt::kCenterKeys) {  // a[0], a[2]: row lane / 4; a[1], a[3]: 8 below
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      ds_sum[i & 1] += Elt::to_float(static_cast<uint16_t>(a[i])) +
+                       Elt::to_float(static_cast<uint16_t>(a[i] >> 16));
+    }
+  }
+}
+
+// One warp, one key block, keys key0 .. key0 + 8 kNT - 1 of it:
+// dq_acc += dS K for the warp's 16 rows (row0..); ds_sum as ds_operand.
+template <class Elt, int kWidth, int kNT>
+__device__ __forceinline__ void warp_key_block(
+    float (&dq_acc)[TileShape<kWidth>::kDTiles][4], float (&ds_sum)[2],
+    const uint32_t (&qf)[TileShape<kWidth>::kFrags][4],
+    const uint32_t (&dof)[TileShape<kWidth>::kFrags][4], uint32_t q_tile, uint32_t do_tile,
+    uint32_t stage, const uint16_t* bias_tile, int kv_tile_bytes, int row0, int key0,
+    int key_base, float scale_log2, const WarpRows& wr, const LaneChunks& lc, int lane) {
+  using Shape = TileShape<kWidth>;
+  constexpr int kRowBytes = kTileRowBytes;  // rows within a column block (tile_offset)
+  const uint32_t k_tile = stage;
+  const uint32_t v_tile = stage + kv_tile_bytes;
+
+  float p[kNT][4];
+#pragma unroll
+  for (int j = 0; j < kNT; ++j) p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0.0f;
+  rows_times_keys<Elt, kWidth, kNT>(p, qf, q_tile, row0, k_tile, key0, lc, lane);
+  scores_to_probs<Elt, kNT>(p, bias_tile, row0, key0, key_base, scale_log2, wr, lane);
+
+  float ds[kNT][4];
+#pragma unroll
+  for (int j = 0; j < kNT; ++j) ds[j][0] = ds[j][1] = ds[j][2] = ds[j][3] = 0.0f;
+  rows_times_keys<Elt, kWidth, kNT>(ds, dof, do_tile, row0, v_tile, key0, lc, lane);
+  probs_to_ds<kNT>(p, ds, wr);
+
   const uint32_t kt_row = k_tile + (key0 + ldsm_bt_row(lane)) * kRowBytes;
 #pragma unroll
   for (int t = 0; t < kNT / 2; ++t) {
     uint32_t a[4];
-    a[0] = Elt::pack(ds[2 * t][0], ds[2 * t][1]);
-    a[1] = Elt::pack(ds[2 * t][2], ds[2 * t][3]);
-    a[2] = Elt::pack(ds[2 * t + 1][0], ds[2 * t + 1][1]);
-    a[3] = Elt::pack(ds[2 * t + 1][2], ds[2 * t + 1][3]);
-    if constexpr (Elt::kCenterKeys) {  // a[0], a[2]: row lane / 4; a[1], a[3]: 8 below
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        ds_sum[i & 1] += Elt::to_float(static_cast<uint16_t>(a[i])) +
-                         Elt::to_float(static_cast<uint16_t>(a[i] >> 16));
-      }
-    }
+    ds_operand<Elt, kNT>(a, ds, t, ds_sum);
 #pragma unroll
     for (int jd = 0; jd < Shape::kDTiles / 2; ++jd) {
       uint32_t b[4];
@@ -177,6 +205,77 @@ __device__ __forceinline__ void warp_key_block(
       Elt::mma(dq_acc[2 * jd + 1], a, b[2], b[3]);
     }
   }
+}
+
+// The same for the whole block as one warpgroup on wgmma (sm_90a; Q and dO
+// in registers, head_dim width 64 or 128): the 64 rows of a wide tile (warp
+// w: rows 16 w..) and keys key0 .. key0 + 8 kNT - 1 of the key block. K and
+// V are read from shared memory once per warpgroup instead of once per warp,
+// which bounded the mma.sync tile at about a third of the tensor cores' rate
+// (repair_kernel_2026-12-01_h200.txt: 331 TFLOP/s at 4096x4032). Every warp
+// of the block calls it; rows past the tile's end are zeros with lse +inf
+// (P = 0). dS K is left in flight unless kLast: the next part's Q K^T and
+// dO V^T queue behind it on the tensor cores instead of waiting for it (its
+// operands stay in registers until the next wait retires it).
+template <class Elt, int kWidth, int kNT, bool kLast>
+__device__ __forceinline__ void warpgroup_key_part(
+    float (&dq_acc)[TileShape<kWidth>::kDTiles][4], float (&ds_sum)[2],
+    const uint32_t (&qf)[TileShape<kWidth>::kFrags][4],
+    const uint32_t (&dof)[TileShape<kWidth>::kFrags][4], uint32_t stage,
+    const uint16_t* bias_tile, int kv_tile_bytes, int row0, int key0, int key_base,
+    float scale_log2, const WarpRows& wr, int lane) {
+  using Shape = TileShape<kWidth>;
+  static_assert(Shape::kQInRegs, "wgmma takes Q and dO from registers");
+  const uint32_t k_tile = stage + key0 * kTileRowBytes;
+  const uint32_t v_tile = stage + kv_tile_bytes + key0 * kTileRowBytes;
+  // k-step kk of Q K^T: head_dim 16 kk .. 16 kk + 15, 32 bytes into a row of
+  // column block kk / 4.
+  auto keys_desc = [](uint32_t tile, int kk) {
+    return gmma_desc(tile + step_offset(kk) + (kk & 3) * 32, 16, kGmmaGroupBytes);
+  };
+
+  float p[kNT][4], ds[kNT][4];
+#pragma unroll
+  for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) p[j][e] = ds[j][e] = 0.0f;
+  }
+  wgmma_fence_operand(p);
+  wgmma_fence_operand(ds);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Shape::kKSteps; ++kk) {
+    Elt::template wgmma<kNT, 0>(p, qf[kk], keys_desc(k_tile, kk), kk);
+  }
+  wgmma_commit();
+#pragma unroll
+  for (int kk = 0; kk < Shape::kKSteps; ++kk) {
+    Elt::template wgmma<kNT, 0>(ds, dof[kk], keys_desc(v_tile, kk), kk);
+  }
+  wgmma_commit();
+  wgmma_wait<1>();  // S landed (and the previous part's dS K); dO V^T may still run
+  wgmma_fence_operand(p);
+  scores_to_probs<Elt, kNT>(p, bias_tile, row0, key0, key_base, scale_log2, wr, lane);
+  wgmma_wait<0>();
+  wgmma_fence_operand(ds);
+  probs_to_ds<kNT>(p, ds, wr);
+
+  uint32_t a[kNT / 2][4];
+#pragma unroll
+  for (int t = 0; t < kNT / 2; ++t) ds_operand<Elt, kNT>(a[t], ds, t, ds_sum);
+  wgmma_fence_operand(dq_acc);
+  wgmma_fence();
+#pragma unroll
+  for (int t = 0; t < kNT / 2; ++t) {  // keys 16 t..: k-step t of dS K
+    Elt::template wgmma<Shape::kDTiles, 1>(
+        dq_acc, a[t],
+        gmma_desc(k_tile + 16 * t * kTileRowBytes, kColumnBlockBytes, kGmmaGroupBytes), 1);
+  }
+  wgmma_commit();
+  if constexpr (kLast) {  // the key block's stage is refilled after the loop's barrier
+    wgmma_wait<0>();
+  }
+  wgmma_fence_operand(dq_acc);
 }
 
 }  // namespace repair

@@ -9,6 +9,10 @@
 // instead, so a stage refilled before every warp is done with it shows up. Shared memory starts
 // filled with 0xff bytes (NaN in bf16/fp16) so that unwritten reads show.
 // Semantics follow the PTX ISA (ldmatrix, mma.m16n8k16 fragment layouts).
+// wgmma (sm_90a) is a barrier of the whole block (one warpgroup): its
+// shared-memory operand is read through the descriptor as the PTX ISA's
+// canonical 128-byte-swizzled layouts define it, and its results land only at
+// the wgmma.wait_group that retires them (reading them earlier shows).
 // OPENWAM_REPAIR_TRACE_TILE records each tile of work in emu::tile_trace and
 // fills the shared memory past the header with 0xff again, so that any tile
 // (not only a block's first) that reads rows it never loaded shows.
@@ -60,6 +64,13 @@ struct Copy {
 
 enum class Wait { kNone, kBlock, kWarp };
 
+// One thread's share of a wgmma: its accumulator and the values it gets
+// when the wait retires the op.
+struct WgmmaResult {
+  float* d;
+  std::vector<float> values;
+};
+
 struct Thread {
   ucontext_t ctx;
   std::vector<char> stack;
@@ -70,6 +81,16 @@ struct Thread {
   unsigned long wait_gen = 0;
   std::vector<Copy> open_group;
   std::vector<std::vector<Copy>> groups;
+  std::vector<WgmmaResult> wgmma_open;
+  std::vector<std::vector<WgmmaResult>> wgmma_groups;
+};
+
+// What each thread hands to a wgmma (all must agree but on `a`).
+struct WgmmaSlot {
+  uint32_t a[4];
+  uint64_t desc;
+  int n_tiles;
+  bool accumulate, trans_b;
 };
 
 struct WarpState {
@@ -79,7 +100,7 @@ struct WarpState {
 };
 
 struct Stats {
-  long ldsm = 0, ldsm_conflicts = 0, mma = 0, cp_async = 0, barriers = 0;
+  long ldsm = 0, ldsm_conflicts = 0, mma = 0, cp_async = 0, barriers = 0, wgmma = 0;
 };
 
 struct Block {
@@ -87,6 +108,7 @@ struct Block {
   std::vector<unsigned char> smem;
   std::vector<Thread> threads;
   std::vector<WarpState> warps;
+  std::vector<WgmmaSlot> wgmma_slots;
   int arrived = 0;
   unsigned long gen = 0;
   ucontext_t sched;
@@ -153,6 +175,8 @@ inline void trampoline() {
   for (const auto& g : cur->groups) {
     if (!g.empty()) fail("a thread ended with cp.async groups never waited for");
   }
+  if (!cur->wgmma_open.empty() || !cur->wgmma_groups.empty())
+    fail("a thread ended with wgmma ops never committed or waited for");
   swapcontext(&cur->ctx, &blk->sched);
 }
 
@@ -168,6 +192,7 @@ inline void run_block(EmuDim3 bid, EmuDim3 gdim, int threads, int smem_bytes,
   b.smem.assign(smem_bytes, 0xff);
   b.threads.resize(threads);
   b.warps.resize((threads + 31) / 32);
+  b.wgmma_slots.resize(threads);
   b.body = body;
   if (threads % 32 != 0) fail("block size must be a multiple of 32");
   Block* saved_blk = blk;
@@ -424,6 +449,100 @@ inline void emu_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t
   for (int e = 0; e < 4; ++e) d[e] = out[e];
 }
 
+// ---------------------------------------------------------------- wgmma
+// A shared-memory operand through its descriptor (PTX ISA, "Matrix
+// Descriptor Format", 128-byte swizzle): element (k, n) of B, k < 16. K-major:
+// 8-row groups of n `stride` apart, rows 128 bytes apart, k contiguous.
+// MN-major: 64-column blocks of n `leading` apart, 8-row groups of k
+// `stride` apart, rows 128 bytes apart, n contiguous. The swizzle XORs bits
+// 4-6 of the address with bits 7-9.
+inline uint16_t wgmma_b_elem(uint64_t desc, bool trans_b, int k, int n) {
+  const uint32_t start = static_cast<uint32_t>(desc & 0x3fff) << 4;
+  const uint32_t leading = static_cast<uint32_t>((desc >> 16) & 0x3fff) << 4;
+  const uint32_t stride = static_cast<uint32_t>((desc >> 32) & 0x3fff) << 4;
+  if ((desc >> 62) != 1) emu::fail("wgmma descriptor: not the 128-byte swizzle");
+  if (((desc >> 49) & 7) != 0) emu::fail("wgmma descriptor: base offset");
+  if ((start & 0x380) != 0) emu::fail("wgmma operand start not within 128 bytes of a 1024-byte atom");
+  const uint32_t addr = trans_b ? start + (n / 64) * leading + (k / 8) * stride + (k % 8) * 128 +
+                                      (n % 64) * 2
+                                : start + (n / 8) * stride + (n % 8) * 128 + k * 2;
+  const uint32_t swizzled = addr ^ (((addr >> 7) & 7) << 4);
+  const unsigned char* p = smem_base() + swizzled;
+  emu::check_smem(p, 2, 2);
+  uint16_t x;
+  std::memcpy(&x, p, 2);
+  return x;
+}
+
+// The values an in-flight wgmma leaves in `d` (an earlier op of a chain), or
+// d's own.
+inline const float* wgmma_pending(float* d) {
+  for (auto it = emu::cur->wgmma_open.rbegin(); it != emu::cur->wgmma_open.rend(); ++it)
+    if (it->d == d) return it->values.data();
+  for (auto g = emu::cur->wgmma_groups.rbegin(); g != emu::cur->wgmma_groups.rend(); ++g)
+    for (auto it = g->rbegin(); it != g->rend(); ++it)
+      if (it->d == d) return it->values.data();
+  return d;
+}
+
+// d (64 x 8 kN) (+)= A (64 x 16: mma.m16n8k16 A fragments, warp w rows
+// 16 w..) * B (16 x 8 kN, shared memory through `desc`).
+template <int kN, class ToFloat>
+inline void emu_wgmma(float (&d)[kN][4], const uint32_t (&a)[4], uint64_t desc, bool accumulate,
+                      bool trans_b, ToFloat to_float) {
+  if (emu::blk->threads.size() != 128) emu::fail("wgmma: the block must be one warpgroup");
+  ++emu::stats.wgmma;
+  emu::WgmmaSlot& mine = emu::blk->wgmma_slots[emu::cur->tid.x];
+  std::memcpy(mine.a, a, sizeof mine.a);
+  mine.desc = desc, mine.n_tiles = kN, mine.accumulate = accumulate, mine.trans_b = trans_b;
+  emu::block_sync();
+  const emu::WgmmaSlot& first = emu::blk->wgmma_slots[0];
+  if (mine.desc != first.desc || mine.n_tiles != first.n_tiles ||
+      mine.accumulate != first.accumulate || mine.trans_b != first.trans_b)
+    emu::fail("wgmma: the warpgroup's threads disagree on the instruction");
+  auto a_elem = [&](int row, int k) {
+    const int thread = (row / 16) * 32 + (row % 8) * 4 + (k % 8) / 2;
+    const int reg = (row % 16 >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+    const uint32_t w = emu::blk->wgmma_slots[thread].a[reg];
+    return to_float(static_cast<uint16_t>((k & 1) ? w >> 16 : w));
+  };
+  const int warp = emu::cur->warp, lane = emu::cur->lane;
+  const float* base = wgmma_pending(&d[0][0]);
+  std::vector<float> out(4 * kN);
+  for (int j = 0; j < kN; ++j) {
+    for (int e = 0; e < 4; ++e) {
+      const int row = 16 * warp + lane / 4 + (e >= 2 ? 8 : 0);
+      const int col = 8 * j + 2 * (lane % 4) + (e & 1);
+      float acc = accumulate ? base[4 * j + e] : 0.0f;
+      for (int k = 0; k < 16; ++k)
+        acc += a_elem(row, k) * to_float(wgmma_b_elem(desc, trans_b, k, col));
+      out[4 * j + e] = acc;
+    }
+  }
+  emu::block_sync();  // every thread read the slots
+  emu::cur->wgmma_open.push_back({&d[0][0], std::move(out)});
+}
+
+inline void wgmma_fence() {}
+template <int kN>
+inline void wgmma_fence_operand(float (&)[kN][4]) {}
+inline void fence_proxy_async() {}
+
+inline void wgmma_commit() {
+  emu::cur->wgmma_groups.push_back(std::move(emu::cur->wgmma_open));
+  emu::cur->wgmma_open.clear();
+}
+
+template <int kPending>
+inline void wgmma_wait() {
+  auto& groups = emu::cur->wgmma_groups;
+  while (static_cast<int>(groups.size()) > kPending) {
+    for (const emu::WgmmaResult& r : groups.front())
+      std::copy(r.values.begin(), r.values.end(), r.d);
+    groups.erase(groups.begin());
+  }
+}
+
 inline float bf16_to_float(uint16_t x) {
   const uint32_t u = static_cast<uint32_t>(x) << 16;
   float f;
@@ -462,6 +581,10 @@ struct Bf16 {
   static void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     emu_mma(d, a, b0, b1, bf16_to_float);
   }
+  template <int kN, int kTransB>
+  static void wgmma(float (&d)[kN][4], const uint32_t (&a)[4], uint64_t desc, int accumulate) {
+    emu_wgmma<kN>(d, a, desc, accumulate != 0, kTransB != 0, bf16_to_float);
+  }
 };
 
 struct Fp16 {
@@ -473,6 +596,10 @@ struct Fp16 {
   }
   static void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     emu_mma(d, a, b0, b1, f16_to_float);
+  }
+  template <int kN, int kTransB>
+  static void wgmma(float (&d)[kN][4], const uint32_t (&a)[4], uint64_t desc, int accumulate) {
+    emu_wgmma<kN>(d, a, desc, accumulate != 0, kTransB != 0, f16_to_float);
   }
 };
 

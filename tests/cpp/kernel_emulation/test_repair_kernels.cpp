@@ -166,8 +166,10 @@ void check_tile_trace(const std::vector<emu::TileRecord>& trace,
   }
 }
 
+// wgmma: wide tiles at head_dim width 64 and 128 on the wgmma path (what an
+// sm_90a build runs), else mma.sync.
 template <class Elt>
-void run_case(const Case<Elt>& c) {
+void run_case(const Case<Elt>& c, bool wgmma) {
   constexpr bool kFp16 = std::is_same_v<Elt, Fp16>;
   std::mt19937 rng(std::hash<std::string>()(c.name) & 0xffff);
   std::normal_distribution<double> normal;
@@ -345,9 +347,11 @@ void run_case(const Case<Elt>& c) {
                 << ", bias_vec " << tp.bias_vec << ", rows to recompute " << expected_count);
   const emu::Stats before = emu::stats;
   auto body = [&] {
-    if (width == 64) repair_tiles<Elt, 64>(sp, tp);
-    if (width == 128) repair_tiles<Elt, 128>(sp, tp);
-    if (width == 256) repair_tiles<Elt, 256>(sp, tp);
+    if (width == 64 && wgmma) repair_tiles<Elt, 64, true>(sp, tp);
+    if (width == 64 && !wgmma) repair_tiles<Elt, 64, false>(sp, tp);
+    if (width == 128 && wgmma) repair_tiles<Elt, 128, true>(sp, tp);
+    if (width == 128 && !wgmma) repair_tiles<Elt, 128, false>(sp, tp);
+    if (width == 256) repair_tiles<Elt, 256, false>(sp, tp);
   };
   emu::tile_trace.clear();
   emu::launch(static_cast<unsigned>(grid), kTileThreads, smem, body);
@@ -357,6 +361,21 @@ void run_case(const Case<Elt>& c) {
              affected[head]);
   }
   check_tile_trace(emu::tile_trace, affected, tp.tiles_per_head, grid);
+  // The path under test ran: wgmma for the key blocks of every wide tile (in
+  // parts of 8 kNT keys, each 2 x head_dim / 16 wgmma for Q K^T and dO V^T
+  // and kNT / 2 for dS K), mma.sync for everything else.
+  const bool any_wide =
+      std::any_of(emu::tile_trace.begin(), emu::tile_trace.end(),
+                  [](const emu::TileRecord& t) { return t.n_rows > kNarrowRows; });
+  const long wgmma_ran = emu::stats.wgmma - before.wgmma;
+  if (wgmma && width <= 128 && any_wide) {
+    constexpr int kNT = TileShape<64>::kWgmmaNT;  // keys / 8 per warpgroup_key_part
+    EXPECT(wgmma_ran > 0 &&
+               wgmma_ran % ((kKeyBlock / (8 * kNT)) * (2 * (width / 16) + kNT / 2)) == 0,
+           "%ld wgmma: not whole key blocks of wide tiles", wgmma_ran);
+  } else {
+    EXPECT(wgmma_ran == 0, "%ld wgmma off the wgmma path", wgmma_ran);
+  }
   // Each head counted once, by the block that holds its tile 0.
   EXPECT(static_cast<long>(counter) == 5 + expected_count, "counter %llu, expected 5 + %ld",
         counter, expected_count);
@@ -501,10 +520,13 @@ void layout_checks() {
       for (int step = 0; step < 16; ++step)
         for (int base = 0; base < 64; base += 8) {
           const int row = base + (lane & 7);
-          EXPECT(row * 32 * 16 + lane_chunk_offset(lane, bit, step % 4) + step_offset(step) ==
+          EXPECT(row * kTileRowBytes + lane_chunk_offset(lane, bit, step % 4) + step_offset(step) ==
                     tile_offset<32>(row, 2 * step + bit),
                 "lane %d bit %d step %d", lane, bit, step);
         }
+  // wgmma descriptors: the fields where the PTX ISA puts them.
+  EXPECT(gmma_desc(0x1230, 16, 1024) == ((0x123ull) | (1ull << 16) | (64ull << 32) | (1ull << 62)),
+         "descriptor fields %llx", static_cast<unsigned long long>(gmma_desc(0x1230, 16, 1024)));
   EXPECT(tile_stages(128, false, 2, kH200SmemPerSm, kH200Reserved) == 3, "128 no bias");
   EXPECT(tile_stages(128, true, 2, kH200SmemPerSm, kH200Reserved) == 2, "128 bias");
   EXPECT(tile_stages(64, false, 3, kH200SmemPerSm, kH200Reserved) == 3, "64 no bias");
@@ -991,10 +1013,20 @@ TEST_CASE("repair kernels emulated on the CPU", "[repair][emulated]") {
   for (const bool drift : {false, true}) {
     emu::eager_copies = emu::skew = drift;
     for (const auto& c : bf) {
-      DYNAMIC_SECTION(c.name << (drift ? ", eager copies, warps drifting" : "")) { run_case(c); }
+      for (const bool wgmma : {false, true}) {
+        DYNAMIC_SECTION(c.name << (wgmma ? ", wgmma" : "")
+                               << (drift ? ", eager copies, warps drifting" : "")) {
+          run_case(c, wgmma);
+        }
+      }
     }
     for (const auto& c : fp) {
-      DYNAMIC_SECTION(c.name << (drift ? ", eager copies, warps drifting" : "")) { run_case(c); }
+      for (const bool wgmma : {false, true}) {
+        DYNAMIC_SECTION(c.name << (wgmma ? ", wgmma" : "")
+                               << (drift ? ", eager copies, warps drifting" : "")) {
+          run_case(c, wgmma);
+        }
+      }
     }
   }
   emu::eager_copies = emu::skew = false;
