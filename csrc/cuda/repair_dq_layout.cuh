@@ -194,6 +194,8 @@ struct TileSmem {
   bool has_bias;
   int stages;     // 2 or 3
 
+  // Bytes of one row's head_dim (a tile holds 64 of them, in 64-column
+  // blocks: tile_offset); not a row pitch.
   OPENWAM_HD int row_bytes() const { return width * 2; }
   OPENWAM_HD int kv_tile_bytes() const { return kKeyBlock * row_bytes(); }
   OPENWAM_HD int q_tile_bytes() const { return kTileRows * row_bytes(); }
@@ -211,6 +213,14 @@ struct TileSmem {
     return stage(stages) + (q_in_registers() ? 0 : 2 * q_tile_bytes());
   }
 };
+
+// Every tile starts at a multiple of 1024 bytes (the header, the K and V
+// tiles and the bias tile are multiples of it): the 128-byte swizzle of
+// tile_offset is then the wgmma descriptors' (bits 7-9 of a row's address =
+// row % 8).
+static_assert(TileSmem::kHeaderBytes % 1024 == 0 && kKeyBlock * kTileRowBytes % 1024 == 0 &&
+                  kTileRows * kBiasPitch * 2 % 1024 == 0,
+              "tiles 1024-byte aligned");
 
 // Pipeline depth: 3 stages (two key blocks in flight while one is used)
 // where `blocks_per_sm` blocks still fit in an SM's shared memory with them,

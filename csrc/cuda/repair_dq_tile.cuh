@@ -14,8 +14,8 @@
 // the 4 partial dQ of a quarter of the columns. A narrow tile moves only its
 // 16 rows of Q, dO and bias (tile_rows_loaded). Built for sm_90a, wide tiles
 // at head_dim <= 128 run on wgmma instead, the 4 warps as one warpgroup
-// (kWgmma, warpgroup_key_part): every row 4096x4032 went from 331 to about
-// 430 TFLOP/s (H200, 2026-12-01).
+// (kWgmma, warpgroup_key_part): every row 4096x4032 went from 331 to
+// 407-430 TFLOP/s (H200, 2026-12-01, runs G1 and G5).
 //
 // Work: the grid is persistent (see tile_grid_size). The (head, tile) items,
 // head-major, are cut into one contiguous run per block; for each head of
@@ -477,8 +477,8 @@ __device__ __forceinline__ void repair_tiles(const ScanParams& scan, const TileP
 }
 
 // Blocks per SM the registers are capped for: 3 at head_dim <= 64 (168
-// registers, no spill), 2 at 128 (255), 1 at 256 (shared memory allows no
-// more).
+// registers; nvcc 13.0 spills up to 24 bytes there), 2 at 128 (255), 1 at
+// 256 (shared memory allows no more).
 template <int kWidth>
 constexpr int kTileBlocksPerSm = kWidth <= 64 ? 3 : kWidth <= 128 ? 2 : 1;
 

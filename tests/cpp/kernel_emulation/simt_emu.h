@@ -10,9 +10,13 @@
 // filled with 0xff bytes (NaN in bf16/fp16) so that unwritten reads show.
 // Semantics follow the PTX ISA (ldmatrix, mma.m16n8k16 fragment layouts).
 // wgmma (sm_90a) is a barrier of the whole block (one warpgroup): its
-// shared-memory operand is read through the descriptor as the PTX ISA's
-// canonical 128-byte-swizzled layouts define it, and its results land only at
-// the wgmma.wait_group that retires them (reading them earlier shows).
+// shared-memory operand is read at issue, through the descriptor as the PTX
+// ISA's canonical 128-byte-swizzled layouts define it, and read again when the
+// wgmma.wait_group that retires it runs (shared memory overwritten while the
+// op was in flight shows); its results land only at that wait (reading them
+// earlier shows). A wgmma fails when no wgmma.fence came since the thread's
+// last wait, or when it reads bytes a cp.async landed that the writing thread
+// has not yet passed fence.proxy.async for.
 // OPENWAM_REPAIR_TRACE_TILE records each tile of work in emu::tile_trace and
 // fills the shared memory past the header with 0xff again, so that any tile
 // (not only a block's first) that reads rows it never loaded shows.
@@ -69,6 +73,11 @@ enum class Wait { kNone, kBlock, kWarp };
 struct WgmmaResult {
   float* d;
   std::vector<float> values;
+  // Thread 0 only: the shared-memory operand (16 x n_cols) as read at issue.
+  uint64_t desc = 0;
+  bool trans_b = false;
+  int n_cols = 0;
+  std::vector<uint16_t> b_value;
 };
 
 struct Thread {
@@ -83,6 +92,8 @@ struct Thread {
   std::vector<std::vector<Copy>> groups;
   std::vector<WgmmaResult> wgmma_open;
   std::vector<std::vector<WgmmaResult>> wgmma_groups;
+  bool wgmma_fenced = false;        // a wgmma.fence since the last wait
+  std::vector<uint32_t> unfenced;   // cp.async chunks landed, no fence.proxy.async yet
 };
 
 // What each thread hands to a wgmma (all must agree but on `a`).
@@ -109,6 +120,7 @@ struct Block {
   std::vector<Thread> threads;
   std::vector<WarpState> warps;
   std::vector<WgmmaSlot> wgmma_slots;
+  std::vector<uint8_t> unfenced;  // per shared-memory byte: landed by cp.async, not fenced
   int arrived = 0;
   unsigned long gen = 0;
   ucontext_t sched;
@@ -190,6 +202,7 @@ inline void run_block(EmuDim3 bid, EmuDim3 gdim, int threads, int smem_bytes,
   b.bdim.x = threads;
   b.bdim.y = b.bdim.z = 1;
   b.smem.assign(smem_bytes, 0xff);
+  b.unfenced.assign(smem_bytes, 0);
   b.threads.resize(threads);
   b.warps.resize((threads + 31) / 32);
   b.wgmma_slots.resize(threads);
@@ -248,6 +261,14 @@ inline void check_smem(const void* p, int bytes, int align) {
     fail("shared-memory access out of bounds");
   }
   if (reinterpret_cast<uintptr_t>(c) % align != 0) fail("misaligned shared-memory access");
+}
+
+// A cp.async chunk landed: generic-proxy bytes, unseen by wgmma until the
+// writing thread's fence.proxy.async.
+inline void landed(unsigned char* dst) {
+  const auto off = static_cast<uint32_t>(dst - blk->smem.data());
+  std::fill_n(blk->unfenced.begin() + off, 16, uint8_t{1});
+  cur->unfenced.push_back(off);
 }
 
 }  // namespace emu
@@ -352,6 +373,7 @@ inline void cp_async_16(uint32_t dst_s, const void* src, int src_bytes) {
   if (emu::eager_copies) {  // land at once: shows a stage refilled while others still read it
     std::memcpy(dst, src, src_bytes);
     std::memset(dst + src_bytes, 0, 16 - src_bytes);
+    emu::landed(dst);
     return;
   }
   emu::cur->open_group.push_back(
@@ -370,6 +392,7 @@ inline void cp_async_wait() {
     for (const emu::Copy& c : groups.front()) {
       std::memcpy(c.dst, c.src, c.bytes);
       std::memset(c.dst + c.bytes, 0, 16 - c.bytes);
+      emu::landed(c.dst);
     }
     groups.erase(groups.begin());
   }
@@ -469,6 +492,8 @@ inline uint16_t wgmma_b_elem(uint64_t desc, bool trans_b, int k, int n) {
   const uint32_t swizzled = addr ^ (((addr >> 7) & 7) << 4);
   const unsigned char* p = smem_base() + swizzled;
   emu::check_smem(p, 2, 2);
+  if (emu::blk->unfenced[swizzled] != 0)
+    emu::fail("wgmma reads cp.async data not yet passed through fence.proxy.async");
   uint16_t x;
   std::memcpy(&x, p, 2);
   return x;
@@ -491,6 +516,7 @@ template <int kN, class ToFloat>
 inline void emu_wgmma(float (&d)[kN][4], const uint32_t (&a)[4], uint64_t desc, bool accumulate,
                       bool trans_b, ToFloat to_float) {
   if (emu::blk->threads.size() != 128) emu::fail("wgmma: the block must be one warpgroup");
+  if (!emu::cur->wgmma_fenced) emu::fail("wgmma without a wgmma.fence since the last wait");
   ++emu::stats.wgmma;
   emu::WgmmaSlot& mine = emu::blk->wgmma_slots[emu::cur->tid.x];
   std::memcpy(mine.a, a, sizeof mine.a);
@@ -519,14 +545,23 @@ inline void emu_wgmma(float (&d)[kN][4], const uint32_t (&a)[4], uint64_t desc, 
       out[4 * j + e] = acc;
     }
   }
+  emu::WgmmaResult result{&d[0][0], std::move(out), desc, trans_b, 8 * kN, {}};
+  if (emu::cur->tid.x == 0) {  // the operand as read now, checked again at the wait
+    for (int k = 0; k < 16; ++k)
+      for (int n = 0; n < 8 * kN; ++n) result.b_value.push_back(wgmma_b_elem(desc, trans_b, k, n));
+  }
   emu::block_sync();  // every thread read the slots
-  emu::cur->wgmma_open.push_back({&d[0][0], std::move(out)});
+  emu::cur->wgmma_open.push_back(std::move(result));
 }
 
-inline void wgmma_fence() {}
+inline void wgmma_fence() { emu::cur->wgmma_fenced = true; }
 template <int kN>
 inline void wgmma_fence_operand(float (&)[kN][4]) {}
-inline void fence_proxy_async() {}
+inline void fence_proxy_async() {
+  for (const uint32_t off : emu::cur->unfenced)
+    std::fill_n(emu::blk->unfenced.begin() + off, 16, uint8_t{0});
+  emu::cur->unfenced.clear();
+}
 
 inline void wgmma_commit() {
   emu::cur->wgmma_groups.push_back(std::move(emu::cur->wgmma_open));
@@ -536,9 +571,16 @@ inline void wgmma_commit() {
 template <int kPending>
 inline void wgmma_wait() {
   auto& groups = emu::cur->wgmma_groups;
+  emu::cur->wgmma_fenced = false;  // the registers are the program's again
   while (static_cast<int>(groups.size()) > kPending) {
-    for (const emu::WgmmaResult& r : groups.front())
+    for (const emu::WgmmaResult& r : groups.front()) {
+      for (size_t i = 0; i < r.b_value.size(); ++i) {  // unchanged while in flight
+        const int k = static_cast<int>(i) / r.n_cols, n = static_cast<int>(i) % r.n_cols;
+        if (wgmma_b_elem(r.desc, r.trans_b, k, n) != r.b_value[i])
+          emu::fail("shared memory read by a wgmma changed before the wait that retires it");
+      }
       std::copy(r.values.begin(), r.values.end(), r.d);
+    }
     groups.erase(groups.begin());
   }
 }

@@ -1014,6 +1014,7 @@ TEST_CASE("repair kernels emulated on the CPU", "[repair][emulated]") {
     emu::eager_copies = emu::skew = drift;
     for (const auto& c : bf) {
       for (const bool wgmma : {false, true}) {
+        if (wgmma && head_dim_width(c.D) > 128) continue;  // head_dim 256 has no wgmma path
         DYNAMIC_SECTION(c.name << (wgmma ? ", wgmma" : "")
                                << (drift ? ", eager copies, warps drifting" : "")) {
           run_case(c, wgmma);
@@ -1022,6 +1023,7 @@ TEST_CASE("repair kernels emulated on the CPU", "[repair][emulated]") {
     }
     for (const auto& c : fp) {
       for (const bool wgmma : {false, true}) {
+        if (wgmma && head_dim_width(c.D) > 128) continue;  // head_dim 256 has no wgmma path
         DYNAMIC_SECTION(c.name << (wgmma ? ", wgmma" : "")
                                << (drift ? ", eager copies, warps drifting" : "")) {
           run_case(c, wgmma);
