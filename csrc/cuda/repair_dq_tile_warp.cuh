@@ -228,10 +228,21 @@ __device__ __forceinline__ void warpgroup_key_part(
   static_assert(Shape::kQInRegs, "wgmma takes Q and dO from registers");
   const uint32_t k_tile = stage + key0 * kTileRowBytes;
   const uint32_t v_tile = stage + kv_tile_bytes + key0 * kTileRowBytes;
+  // Descriptors: one add each from the tile's start (gmma_desc_at), except
+  // for fp16, whose kernel then spilled 172 bytes at head_dim 128 against 24
+  // (ptxas, nvcc 13.0); it builds each anew (gmma_desc).
+  const uint32_t k_start16 = k_tile >> 4, v_start16 = v_tile >> 4;
+  auto desc = [](uint32_t start16, uint32_t offset, uint32_t leading) {
+    if constexpr (Elt::kCenterKeys) {
+      return gmma_desc(start16 * 16 + offset, leading, kGmmaGroupBytes);
+    } else {
+      return gmma_desc_at(start16, offset, leading, kGmmaGroupBytes);
+    }
+  };
   // k-step kk of Q K^T: head_dim 16 kk .. 16 kk + 15, 32 bytes into a row of
   // column block kk / 4.
-  auto keys_desc = [](uint32_t tile, int kk) {
-    return gmma_desc(tile + step_offset(kk) + (kk & 3) * 32, 16, kGmmaGroupBytes);
+  auto keys_desc = [&](uint32_t start16, int kk) {
+    return desc(start16, step_offset(kk) + (kk & 3) * 32, 16);
   };
 
   float p[kNT][4], ds[kNT][4];
@@ -245,12 +256,12 @@ __device__ __forceinline__ void warpgroup_key_part(
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < Shape::kKSteps; ++kk) {
-    Elt::template wgmma<kNT, 0>(p, qf[kk], keys_desc(k_tile, kk), kk);
+    Elt::template wgmma<kNT, 0>(p, qf[kk], keys_desc(k_start16, kk), kk);
   }
   wgmma_commit();
 #pragma unroll
   for (int kk = 0; kk < Shape::kKSteps; ++kk) {
-    Elt::template wgmma<kNT, 0>(ds, dof[kk], keys_desc(v_tile, kk), kk);
+    Elt::template wgmma<kNT, 0>(ds, dof[kk], keys_desc(v_start16, kk), kk);
   }
   wgmma_commit();
   wgmma_wait<1>();  // S landed (and the previous part's dS K); dO V^T may still run
@@ -269,7 +280,7 @@ __device__ __forceinline__ void warpgroup_key_part(
   for (int t = 0; t < kNT / 2; ++t) {  // keys 16 t..: k-step t of dS K
     Elt::template wgmma<Shape::kDTiles, 1>(
         dq_acc, a[t],
-        gmma_desc(k_tile + 16 * t * kTileRowBytes, kColumnBlockBytes, kGmmaGroupBytes), 1);
+        desc(k_start16, 16 * t * kTileRowBytes, kColumnBlockBytes), 1);
   }
   wgmma_commit();
   if constexpr (kLast) {  // the key block's stage is refilled after the loop's barrier

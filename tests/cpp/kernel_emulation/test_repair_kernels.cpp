@@ -524,9 +524,23 @@ void layout_checks() {
                     tile_offset<32>(row, 2 * step + bit),
                 "lane %d bit %d step %d", lane, bit, step);
         }
-  // wgmma descriptors: the fields where the PTX ISA puts them.
+  // wgmma descriptors: the fields where the PTX ISA puts them, and
+  // gmma_desc_at equal to gmma_desc at every 16-byte start of 227 KB of
+  // shared memory plus every offset a kernel adds, for both operand kinds.
   EXPECT(gmma_desc(0x1230, 16, 1024) == ((0x123ull) | (1ull << 16) | (64ull << 32) | (1ull << 62)),
          "descriptor fields %llx", static_cast<unsigned long long>(gmma_desc(0x1230, 16, 1024)));
+  {
+    long bad = 0;
+    for (uint32_t start = 0; start + 4 * kColumnBlockBytes <= 227 * 1024; start += 16) {
+      for (uint32_t off = 0; off < 4 * kColumnBlockBytes; off += 16) {
+        bad += gmma_desc_at(start >> 4, off, 16, kGmmaGroupBytes) !=
+               gmma_desc(start + off, 16, kGmmaGroupBytes);
+        bad += gmma_desc_at(start >> 4, off, kColumnBlockBytes, kGmmaGroupBytes) !=
+               gmma_desc(start + off, kColumnBlockBytes, kGmmaGroupBytes);
+      }
+    }
+    EXPECT(bad == 0, "%ld descriptors differ", bad);
+  }
   EXPECT(tile_stages(128, false, 2, kH200SmemPerSm, kH200Reserved) == 3, "128 no bias");
   EXPECT(tile_stages(128, true, 2, kH200SmemPerSm, kH200Reserved) == 2, "128 bias");
   EXPECT(tile_stages(64, false, 3, kH200SmemPerSm, kH200Reserved) == 3, "64 no bias");
