@@ -149,7 +149,6 @@ template <class Elt, int kWidth, bool kWgmma>
 __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem& layout,
                                             const TileHeader& hdr, int64_t head, int n_rows) {
   using Shape = TileShape<kWidth>;
-  static_assert(!kWgmma || Shape::kQInRegs, "wgmma takes Q and dO from registers");
   constexpr int kChunks = Shape::kChunks;
   unsigned char* smem = smem_base();
   const int tid = threadIdx.x;

@@ -1026,24 +1026,19 @@ TEST_CASE("repair kernels emulated on the CPU", "[repair][emulated]") {
   }
   for (const bool drift : {false, true}) {
     emu::eager_copies = emu::skew = drift;
-    for (const auto& c : bf) {
-      for (const bool wgmma : {false, true}) {
-        if (wgmma && head_dim_width(c.D) > 128) continue;  // head_dim 256 has no wgmma path
-        DYNAMIC_SECTION(c.name << (wgmma ? ", wgmma" : "")
-                               << (drift ? ", eager copies, warps drifting" : "")) {
-          run_case(c, wgmma);
+    auto run_all = [&](const auto& cases) {
+      for (const auto& c : cases) {
+        for (const bool wgmma : {false, true}) {
+          if (wgmma && head_dim_width(c.D) > 128) continue;  // head_dim 256 has no wgmma path
+          DYNAMIC_SECTION(c.name << (wgmma ? ", wgmma" : "")
+                                 << (drift ? ", eager copies, warps drifting" : "")) {
+            run_case(c, wgmma);
+          }
         }
       }
-    }
-    for (const auto& c : fp) {
-      for (const bool wgmma : {false, true}) {
-        if (wgmma && head_dim_width(c.D) > 128) continue;  // head_dim 256 has no wgmma path
-        DYNAMIC_SECTION(c.name << (wgmma ? ", wgmma" : "")
-                               << (drift ? ", eager copies, warps drifting" : "")) {
-          run_case(c, wgmma);
-        }
-      }
-    }
+    };
+    run_all(bf);
+    run_all(fp);
   }
   emu::eager_copies = emu::skew = false;
 }
