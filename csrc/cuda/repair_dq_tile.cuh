@@ -14,8 +14,10 @@
 // the 4 partial dQ of a quarter of the columns. A narrow tile moves only its
 // 16 rows of Q, dO and bias (tile_rows_loaded). Built for sm_90a, wide tiles
 // at head_dim <= 128 run on wgmma instead, the 4 warps as one warpgroup
-// (kWgmma, warpgroup_key_part): every row 4096x4032 went from 331 to
-// 407-430 TFLOP/s (H200, 2026-12-01, runs G1 and G5).
+// (kWgmma, warpgroup_scores_to_ds / warpgroup_ds_k): every row 4096x4032
+// went from 331 to 407-430 TFLOP/s (H200, 2026-12-01, runs G1 and G5),
+// then to 512 with one barrier per key block, dS K in flight across it and
+// the softmax's tests taken once per call (run H2).
 //
 // Work: the grid is persistent (see tile_grid_size). The (head, tile) items,
 // head-major, are cut into one contiguous run per block; for each head of
@@ -144,7 +146,7 @@ __device__ __forceinline__ void mean_of_keys(float* key_mean, const unsigned cha
 
 // Recompute and write the dQ rows hdr.row[0 .. n_rows - 1] (ascending) of
 // head `head`. All threads of the block call it. kWgmma: wide tiles on
-// wgmma (warpgroup_key_part) instead of mma.sync.
+// wgmma (warpgroup_scores_to_ds, warpgroup_ds_k) instead of mma.sync.
 template <class Elt, int kWidth, bool kWgmma>
 __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem& layout,
                                             const TileHeader& hdr, int64_t head, int n_rows) {
@@ -278,41 +280,86 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
     wr.delta[rr] = hdr.delta[r];
     wr.limit[rr] = wr.row[rr] < 0 ? 0 : p.causal ? cmin(p.s_kv, wr.row[rr] + 1) : p.s_kv;
   }
+  wr.full = p.causal ? cmin(p.s_kv, hdr.row[0] + 1) : p.s_kv;  // rows ascending, row[0] >= 0
 
   float acc[Shape::kDTiles][4];
 #pragma unroll
   for (int j = 0; j < Shape::kDTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   float ds_sum[2] = {0.0f, 0.0f};  // Elt::kCenterKeys: sum_j dS of the two rows
 
-  int use = 0;                   // the stage of block kb
-  int fill = layout.stages - 1;  // the stage of block kb + stages - 1
-  for (int kb = 0; kb < n_blocks; ++kb) {
-    if (kb + layout.stages - 1 < n_blocks) load_key_block(kb + layout.stages - 1, fill);
-    cp_async_commit();
-    wait_all_but_newest();  // block kb landed
-    if constexpr (kWgmma) fence_proxy_async();  // this thread's cp.async data, for wgmma
-    __syncthreads();
-    if (active) {
-      const uint32_t stage = smem_s + layout.stage(use);
+  // The key loop: one barrier per key block. At its top every warp has
+  // finished block kb - 1, so its stage takes block kb + stages - 1 (the
+  // `refill` each path calls); blocks kb + 1 .. kb + stages - 2 may still be
+  // in flight when block kb is needed. `before_barrier(kb)` runs ahead of
+  // the waits.
+  auto key_loop = [&](auto&& before_barrier, auto&& compute) {
+    int use = 0;                   // the stage of block kb
+    int fill = layout.stages - 1;  // the stage of block kb - 1, refilled with kb + stages - 1
+    for (int kb = 0; kb < n_blocks; ++kb) {
+      before_barrier(kb);
+      if (layout.stages == 3) {
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      if constexpr (kWgmma) fence_proxy_async();  // this thread's cp.async data, for wgmma
+      __syncthreads();
+      auto refill = [&]() {  // a group every iteration, even empty (wait accounting)
+        if (kb + layout.stages - 1 < n_blocks) load_key_block(kb + layout.stages - 1, fill);
+        cp_async_commit();
+      };
       const uint16_t* bias_tile =
           has_bias ? reinterpret_cast<const uint16_t*>(smem + layout.stage(use) +
                                                        2 * layout.kv_tile_bytes())
                    : nullptr;
-      const int key_base = kb * kKeyBlock;
-      if (narrow) {
-        warp_key_block<Elt, kWidth, 2>(acc, ds_sum, qf, dof, q_tile_s, do_tile_s, stage,
-                                       bias_tile, layout.kv_tile_bytes(), 0, warp * 16,
-                                       key_base, p.scale_log2, wr, lc, lane);
-      } else if constexpr (kWgmma) {
-        constexpr int kNT = Shape::kWgmmaNT;
-        static_assert(kKeyBlock == 16 * kNT, "two parts per key block");
-        warpgroup_key_part<Elt, kWidth, kNT, false>(acc, ds_sum, qf, dof, stage, bias_tile,
-                                                    layout.kv_tile_bytes(), row0, 0, key_base,
-                                                    p.scale_log2, wr, lane);
-        warpgroup_key_part<Elt, kWidth, kNT, true>(acc, ds_sum, qf, dof, stage, bias_tile,
+      compute(smem_s + layout.stage(use), bias_tile, kb * kKeyBlock, refill);
+      use = use + 1 == layout.stages ? 0 : use + 1;
+      fill = fill + 1 == layout.stages ? 0 : fill + 1;
+    }
+  };
+  auto nothing = [](int) {};
+  if (narrow) {
+    key_loop(nothing, [&](uint32_t stage, const uint16_t* bias_tile, int key_base, auto&& refill) {
+      refill();
+      warp_key_block<Elt, kWidth, 2>(acc, ds_sum, qf, dof, q_tile_s, do_tile_s, stage, bias_tile,
+                                     layout.kv_tile_bytes(), 0, warp * 16, key_base,
+                                     p.scale_log2, wr, lc, lane);
+    });
+  } else if constexpr (kWgmma) {
+    // Two parts of 32 keys per block (A, B). Each part's dS K is left in
+    // flight and retired by the next part's first wait; part B's is issued
+    // at the top of the next iteration, ahead of the barrier (it overlaps
+    // the loop's waits), so that no wgmma is in flight across the loop's
+    // back edge (there ptxas serializes every wgmma: C7515, nvcc 13.0). The
+    // refill waits for part A, whose first wait retires block kb - 1's last
+    // dS K: that reads the stage the refill overwrites.
+    constexpr int kNT = Shape::kWgmmaNT;
+    static_assert(kKeyBlock == 16 * kNT, "two parts per key block");
+    uint32_t ds_b[kNT / 2][4];  // part B's dS, for its dS K
+    uint32_t stage_b = 0;       // and its stage
+    key_loop(
+        [&](int kb) {
+          if (kb > 0) warpgroup_ds_k<Elt, kWidth, kNT>(acc, ds_b, stage_b, 8 * kNT);
+        },
+        [&](uint32_t stage, const uint16_t* bias_tile, int key_base, auto&& refill) {
+          uint32_t ds_a[kNT / 2][4];
+          warpgroup_scores_to_ds<Elt, kWidth, kNT>(ds_a, ds_sum, qf, dof, stage, bias_tile,
+                                                   layout.kv_tile_bytes(), row0, 0, key_base,
+                                                   p.scale_log2, wr, lane);
+          warpgroup_ds_k<Elt, kWidth, kNT>(acc, ds_a, stage, 0);
+          refill();
+          warpgroup_scores_to_ds<Elt, kWidth, kNT>(ds_b, ds_sum, qf, dof, stage, bias_tile,
                                                    layout.kv_tile_bytes(), row0, 8 * kNT,
                                                    key_base, p.scale_log2, wr, lane);
-      } else {
+          stage_b = stage;
+        });
+    if (n_blocks > 0) warpgroup_ds_k<Elt, kWidth, kNT>(acc, ds_b, stage_b, 8 * kNT);
+    wgmma_wait<0>();
+    wgmma_fence_operand(acc);
+  } else {
+    key_loop(nothing, [&](uint32_t stage, const uint16_t* bias_tile, int key_base, auto&& refill) {
+      refill();
+      if (active) {
 #pragma unroll
         for (int part = 0; part < kKeyBlock / (8 * Shape::kWideNT); ++part) {
           warp_key_block<Elt, kWidth, Shape::kWideNT>(
@@ -320,12 +367,10 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
               row0, part * 8 * Shape::kWideNT, key_base, p.scale_log2, wr, lc, lane);
         }
       }
-    }
-    __syncthreads();  // this stage is refilled next iteration
-    use = use + 1 == layout.stages ? 0 : use + 1;
-    fill = fill + 1 == layout.stages ? 0 : fill + 1;
+    });
   }
   cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the stages (the narrow sum reuses stage 0)
 
   if constexpr (Elt::kCenterKeys) {  // acc -= m * sum_j dS (per warp: the narrow sum is linear)
 #pragma unroll

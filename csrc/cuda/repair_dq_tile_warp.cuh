@@ -6,8 +6,8 @@
 // Operands come from shared memory through ldmatrix (K and V; Q and dO when
 // they do not stay in registers); dS goes from accumulators straight into
 // the A operand of dS K. On sm_90a, wide tiles run the same math for the
-// whole block at once on wgmma (warpgroup_key_part), K and V read by the
-// tensor cores straight from the shared-memory tiles.
+// whole block at once on wgmma (warpgroup_scores_to_ds, warpgroup_ds_k), K
+// and V read by the tensor cores straight from the shared-memory tiles.
 #pragma once
 
 #include <cstdint>
@@ -31,7 +31,7 @@ struct TileShape {
   // scores and dP of that many keys are live at once beside the dQ
   // accumulators (16 x 256 fp32 leave room for 16 keys, not 32).
   static constexpr int kWideNT = kWidth <= 128 ? 4 : 2;
-  // The same on wgmma (warpgroup_key_part): 32 keys too. The whole key
+  // The same on wgmma (warpgroup_scores_to_ds): 32 keys too. The whole key
   // block (m64n64 scores) was 7% slower at 4096x4032 every row (H200,
   // 2026-12-01, runs G1-G2).
   static constexpr int kWgmmaNT = 4;
@@ -44,6 +44,10 @@ struct WarpRows {
   float delta[2];  // dO_i . o_i
   int limit[2];    // keys at or past this are masked (s_kv, or i + 1 causal)
   int row[2];      // the query row, -1 for padding
+  // Keys below this are visible to every row of the tile: s_kv, or under
+  // is_causal its first row + 1. Padding rows need no mask: their Q (and
+  // bias) are zeros and their lse2 +inf, so P = exp2(-inf) = 0.
+  int full;
 };
 
 // A lane's ldmatrix chunk offsets (lane_chunk_offset) for the two lane bits
@@ -109,28 +113,65 @@ __device__ __forceinline__ void rows_times_keys(
 
 // P = exp2(S scale log2e + bias log2e - lse log2e) in place of the scores S
 // of a warp's 16 rows (row0..) and keys key0 .. key0 + 8 kNT - 1 of the key
-// block; 0 where masked.
-template <class Elt, int kNT>
-__device__ __forceinline__ void scores_to_probs(float (&p)[kNT][4], const uint16_t* bias_tile,
-                                                int row0, int key0, int key_base,
-                                                float scale_log2, const WarpRows& wr, int lane) {
+// block; 0 where masked. kBias: add the bias tile's entries. kMasked: test
+// each key against its row's limit; without it the caller has found every
+// one of these keys below every row's limit (WarpRows::full).
+template <class Elt, int kNT, bool kBias, bool kMasked>
+__device__ __forceinline__ void scores_to_probs_as(float (&p)[kNT][4], const uint16_t* bias_tile,
+                                                   int row0, int key0, int key_base,
+                                                   float scale_log2, const WarpRows& wr,
+                                                   int lane) {
 #pragma unroll
   for (int j = 0; j < kNT; ++j) {
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       const int col = key0 + 8 * j + frag_col(lane, 0);  // within the block
-      float bias0 = 0.0f, bias1 = 0.0f;
-      if (bias_tile != nullptr) {
+      // One rounding: fma(S, scale log2e, bias log2e - lse log2e).
+      float c0 = -wr.lse2[rr], c1 = -wr.lse2[rr];
+      if constexpr (kBias) {
         const uint32_t w = *reinterpret_cast<const uint32_t*>(
             bias_tile + (row0 + frag_row(lane, 2 * rr)) * kBiasPitch + col);
-        bias0 = Elt::to_float(static_cast<uint16_t>(w)) * kLog2e;
-        bias1 = Elt::to_float(static_cast<uint16_t>(w >> 16)) * kLog2e;
+        c0 = fmaf(Elt::to_float(static_cast<uint16_t>(w)), kLog2e, c0);
+        c1 = fmaf(Elt::to_float(static_cast<uint16_t>(w >> 16)), kLog2e, c1);
       }
-      const float x0 = fmaf(p[j][2 * rr], scale_log2, bias0) - wr.lse2[rr];
-      const float x1 = fmaf(p[j][2 * rr + 1], scale_log2, bias1) - wr.lse2[rr];
-      p[j][2 * rr] = key_base + col < wr.limit[rr] ? fast_exp2(x0) : 0.0f;
-      p[j][2 * rr + 1] = key_base + col + 1 < wr.limit[rr] ? fast_exp2(x1) : 0.0f;
+      const float e0 = fast_exp2(fmaf(p[j][2 * rr], scale_log2, c0));
+      const float e1 = fast_exp2(fmaf(p[j][2 * rr + 1], scale_log2, c1));
+      if constexpr (kMasked) {
+        p[j][2 * rr] = key_base + col < wr.limit[rr] ? e0 : 0.0f;
+        p[j][2 * rr + 1] = key_base + col + 1 < wr.limit[rr] ? e1 : 0.0f;
+      } else {
+        p[j][2 * rr] = e0;
+        p[j][2 * rr + 1] = e1;
+      }
     }
+  }
+}
+
+// scores_to_probs_as with the bias test and the key mask taken once per
+// call instead of per element: both are uniform across the warp, and as
+// per-element predicates they were about a third of the instructions of a
+// wgmma key block without a bias (SASS, nvcc 13.0, head_dim 128). The mask
+// is needed only in the key blocks that hold s_kv or, under is_causal, a
+// tile row's diagonal.
+template <class Elt, int kNT>
+__device__ __forceinline__ void scores_to_probs(float (&p)[kNT][4], const uint16_t* bias_tile,
+                                                int row0, int key0, int key_base,
+                                                float scale_log2, const WarpRows& wr, int lane) {
+  const bool masked = key_base + key0 + 8 * kNT > wr.full;
+  if (bias_tile != nullptr) {
+    if (masked) {
+      scores_to_probs_as<Elt, kNT, true, true>(p, bias_tile, row0, key0, key_base, scale_log2,
+                                               wr, lane);
+    } else {
+      scores_to_probs_as<Elt, kNT, true, false>(p, bias_tile, row0, key0, key_base, scale_log2,
+                                                wr, lane);
+    }
+  } else if (masked) {
+    scores_to_probs_as<Elt, kNT, false, true>(p, bias_tile, row0, key0, key_base, scale_log2,
+                                              wr, lane);
+  } else {
+    scores_to_probs_as<Elt, kNT, false, false>(p, bias_tile, row0, key0, key_base, scale_log2,
+                                               wr, lane);
   }
 }
 
@@ -180,16 +221,19 @@ __device__ __forceinline__ void warp_key_block(
   const uint32_t k_tile = stage;
   const uint32_t v_tile = stage + kv_tile_bytes;
 
-  float p[kNT][4];
+  // S and dP first, then the softmax: its branches (scores_to_probs) would
+  // otherwise keep dP's loads and mma from overlapping it, and a narrow tile
+  // is a chain of such latencies (one row per head: 9% slower that way, H200,
+  // 2026-12-01).
+  float p[kNT][4], ds[kNT][4];
 #pragma unroll
-  for (int j = 0; j < kNT; ++j) p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0.0f;
+  for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) p[j][e] = ds[j][e] = 0.0f;
+  }
   rows_times_keys<Elt, kWidth, kNT>(p, qf, q_tile, row0, k_tile, key0, lc, lane);
-  scores_to_probs<Elt, kNT>(p, bias_tile, row0, key0, key_base, scale_log2, wr, lane);
-
-  float ds[kNT][4];
-#pragma unroll
-  for (int j = 0; j < kNT; ++j) ds[j][0] = ds[j][1] = ds[j][2] = ds[j][3] = 0.0f;
   rows_times_keys<Elt, kWidth, kNT>(ds, dof, do_tile, row0, v_tile, key0, lc, lane);
+  scores_to_probs<Elt, kNT>(p, bias_tile, row0, key0, key_base, scale_log2, wr, lane);
   probs_to_ds<kNT>(p, ds, wr);
 
   const uint32_t kt_row = k_tile + (key0 + ldsm_bt_row(lane)) * kRowBytes;
@@ -208,41 +252,45 @@ __device__ __forceinline__ void warp_key_block(
 }
 
 // The same for the whole block as one warpgroup on wgmma (sm_90a; Q and dO
-// in registers, head_dim width 64 or 128): the 64 rows of a wide tile (warp
-// w: rows 16 w..) and keys key0 .. key0 + 8 kNT - 1 of the key block. K and
-// V are read from shared memory once per warpgroup instead of once per warp,
-// which bounded the mma.sync tile at about a third of the tensor cores' rate
-// (repair_kernel_2026-12-01_h200.txt: 331 TFLOP/s at 4096x4032). Every warp
-// of the block calls it; rows past the tile's end are zeros with lse +inf
-// (P = 0). dS K is left in flight unless kLast: the next part's Q K^T and
-// dO V^T queue behind it on the tensor cores instead of waiting for it (its
-// operands stay in registers until the next wait retires it).
-template <class Elt, int kWidth, int kNT, bool kLast>
-__device__ __forceinline__ void warpgroup_key_part(
-    float (&dq_acc)[TileShape<kWidth>::kDTiles][4], float (&ds_sum)[2],
+// in registers, head_dim width 64 or 128), in two halves: the 64 rows of a
+// wide tile (warp w: rows 16 w..) and keys key0 .. key0 + 8 kNT - 1 of the
+// key block. K and V are read from shared memory once per warpgroup instead
+// of once per warp, which bounded the mma.sync tile at about a third of the
+// tensor cores' rate (repair_kernel_2026-12-01_h200.txt: 331 TFLOP/s at
+// 4096x4032). Every warp of the block calls them; rows past the tile's end
+// are zeros with lse +inf (P = 0).
+//
+// Descriptors: one add each from the tile's start (gmma_desc_at), except
+// for fp16, whose kernel then spilled 172 bytes at head_dim 128 against 24
+// (ptxas, nvcc 13.0); it builds each anew (gmma_desc).
+template <class Elt>
+__device__ __forceinline__ uint64_t tile_desc(uint32_t start16, uint32_t offset,
+                                              uint32_t leading) {
+  if constexpr (Elt::kCenterKeys) {
+    return gmma_desc(start16 * 16 + offset, leading, kGmmaGroupBytes);
+  } else {
+    return gmma_desc_at(start16, offset, leading, kGmmaGroupBytes);
+  }
+}
+
+// First half: S = Q K^T and dP = dO V^T on the tensor cores, then dS, packed
+// as the A operand of dS K (ds_operand) into `a`. Its first wait also retires
+// a dS K still in flight (warpgroup_ds_k of the previous part).
+template <class Elt, int kWidth, int kNT>
+__device__ __forceinline__ void warpgroup_scores_to_ds(
+    uint32_t (&a)[kNT / 2][4], float (&ds_sum)[2],
     const uint32_t (&qf)[TileShape<kWidth>::kFrags][4],
     const uint32_t (&dof)[TileShape<kWidth>::kFrags][4], uint32_t stage,
     const uint16_t* bias_tile, int kv_tile_bytes, int row0, int key0, int key_base,
     float scale_log2, const WarpRows& wr, int lane) {
   using Shape = TileShape<kWidth>;
   static_assert(Shape::kQInRegs, "wgmma takes Q and dO from registers");
-  const uint32_t k_tile = stage + key0 * kTileRowBytes;
-  const uint32_t v_tile = stage + kv_tile_bytes + key0 * kTileRowBytes;
-  // Descriptors: one add each from the tile's start (gmma_desc_at), except
-  // for fp16, whose kernel then spilled 172 bytes at head_dim 128 against 24
-  // (ptxas, nvcc 13.0); it builds each anew (gmma_desc).
-  const uint32_t k_start16 = k_tile >> 4, v_start16 = v_tile >> 4;
-  auto desc = [](uint32_t start16, uint32_t offset, uint32_t leading) {
-    if constexpr (Elt::kCenterKeys) {
-      return gmma_desc(start16 * 16 + offset, leading, kGmmaGroupBytes);
-    } else {
-      return gmma_desc_at(start16, offset, leading, kGmmaGroupBytes);
-    }
-  };
+  const uint32_t k_start16 = (stage + key0 * kTileRowBytes) >> 4;
+  const uint32_t v_start16 = (stage + kv_tile_bytes + key0 * kTileRowBytes) >> 4;
   // k-step kk of Q K^T: head_dim 16 kk .. 16 kk + 15, 32 bytes into a row of
   // column block kk / 4.
   auto keys_desc = [&](uint32_t start16, int kk) {
-    return desc(start16, step_offset(kk) + (kk & 3) * 32, 16);
+    return tile_desc<Elt>(start16, step_offset(kk) + (kk & 3) * 32, 16);
   };
 
   float p[kNT][4], ds[kNT][4];
@@ -264,28 +312,32 @@ __device__ __forceinline__ void warpgroup_key_part(
     Elt::template wgmma<kNT, 0>(ds, dof[kk], keys_desc(v_start16, kk), kk);
   }
   wgmma_commit();
-  wgmma_wait<1>();  // S landed (and the previous part's dS K); dO V^T may still run
+  wgmma_wait<1>();  // S landed (and a dS K before it); dO V^T may still run
   wgmma_fence_operand(p);
   scores_to_probs<Elt, kNT>(p, bias_tile, row0, key0, key_base, scale_log2, wr, lane);
   wgmma_wait<0>();
   wgmma_fence_operand(ds);
   probs_to_ds<kNT>(p, ds, wr);
-
-  uint32_t a[kNT / 2][4];
 #pragma unroll
   for (int t = 0; t < kNT / 2; ++t) ds_operand<Elt, kNT>(a[t], ds, t, ds_sum);
+}
+
+// Second half: dq_acc += dS K for the same keys, left in flight: the next
+// part's Q K^T and dO V^T queue behind it on the tensor cores, and the next
+// warpgroup_scores_to_ds retires it (repair_tile retires the tile's last).
+template <class Elt, int kWidth, int kNT>
+__device__ __forceinline__ void warpgroup_ds_k(float (&dq_acc)[TileShape<kWidth>::kDTiles][4],
+                                               const uint32_t (&a)[kNT / 2][4], uint32_t stage,
+                                               int key0) {
+  const uint32_t k_start16 = (stage + key0 * kTileRowBytes) >> 4;
   wgmma_fence_operand(dq_acc);
   wgmma_fence();
 #pragma unroll
   for (int t = 0; t < kNT / 2; ++t) {  // keys 16 t..: k-step t of dS K
-    Elt::template wgmma<Shape::kDTiles, 1>(
-        dq_acc, a[t],
-        desc(k_start16, 16 * t * kTileRowBytes, kColumnBlockBytes), 1);
+    Elt::template wgmma<TileShape<kWidth>::kDTiles, 1>(
+        dq_acc, a[t], tile_desc<Elt>(k_start16, 16 * t * kTileRowBytes, kColumnBlockBytes), 1);
   }
   wgmma_commit();
-  if constexpr (kLast) {  // the key block's stage is refilled after the loop's barrier
-    wgmma_wait<0>();
-  }
   wgmma_fence_operand(dq_acc);
 }
 

@@ -74,6 +74,20 @@ Tensor4 make_tensor(int64_t B, int64_t H, int64_t S, int64_t D, Layout layout) {
   return t;
 }
 
+// K or V: the first S keys of a tensor of S + kGuardKeys, whose keys past S
+// are NaN, so that a kernel reading a key past s_kv (the loader must
+// zero-fill those) puts 0 * NaN into dS K and a NaN into dQ.
+constexpr int kGuardKeys = 64;
+Tensor4 make_keys(int64_t B, int64_t H, int64_t S, int64_t D, Layout layout, bool fp16) {
+  Tensor4 t = make_tensor(B, H, S + kGuardKeys, D, layout);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t j = S; j < S + kGuardKeys; ++j)
+        for (int64_t d = 0; d < D; ++d) t.at(b, h, j, d) = fp16 ? 0x7e00 : 0x7fc0;
+  t.size[2] = S;
+  return t;
+}
+
 // 16-byte aligned storage: std::vector<uint16_t> gives 16 on glibc, but be sure.
 bool aligned_rows(const Tensor4& t, int64_t elements) {
   if (reinterpret_cast<uintptr_t>(t.data()) % (elements * 2) != 0) return false;
@@ -92,6 +106,8 @@ struct Case {
   Layout layout = Layout::kBhsd;
   double share = 1.0;        // of rows made adversarial; < 0: one per head
   int rows_per_head = 0;     // > 0: exactly this many adversarial rows per head (share unused)
+  int first_affected = 0;    // rows below this are ordinary
+  int hot_key = -1;          // >= 0: this key's logits are 10% less negative (P ~ 1000x)
   int slots = 5;             // resident blocks the grid size assumes
   int masked_rows = 0;       // rows with every key hidden (needs a row bias)
   bool nan_lse_row = false;  // one row gets lse NaN: must stay untouched
@@ -177,8 +193,8 @@ void run_case(const Case<Elt>& c, bool wgmma) {
   const int B = c.B, H = c.H, Hkv = c.Hkv, SQ = c.s_q, SK = c.s_kv, D = c.D;
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   const double amp = 3.0, target = -70.0, key_noise = 0.2;
-  Tensor4 q = make_tensor(B, H, SQ, D, c.layout), k = make_tensor(B, Hkv, SK, D, c.layout),
-          v = make_tensor(B, Hkv, SK, D, c.layout), o = make_tensor(B, H, SQ, D, c.layout),
+  Tensor4 q = make_tensor(B, H, SQ, D, c.layout), k = make_keys(B, Hkv, SK, D, c.layout, kFp16),
+          v = make_keys(B, Hkv, SK, D, c.layout, kFp16), o = make_tensor(B, H, SQ, D, c.layout),
           go = make_tensor(B, H, SQ, D, c.layout), dq = make_tensor(B, H, SQ, D, c.layout);
   const double u = 1.0 / std::sqrt(static_cast<double>(D));
   std::vector<char> adversarial(static_cast<size_t>(B) * H * SQ, 0);
@@ -186,7 +202,8 @@ void run_case(const Case<Elt>& c, bool wgmma) {
     for (int h = 0; h < Hkv; ++h) {
       for (int j = 0; j < SK; ++j) {
         for (int d = 0; d < D; ++d) {
-          k.at(b, h, j, d) = from_d(key_noise * normal(rng) + amp * u, kFp16);
+          const double shared = j == c.hot_key ? 0.9 * amp * u : amp * u;
+          k.at(b, h, j, d) = from_d(key_noise * normal(rng) + shared, kFp16);
           v.at(b, h, j, d) = from_d(normal(rng), kFp16);
         }
       }
@@ -201,9 +218,10 @@ void run_case(const Case<Elt>& c, bool wgmma) {
         for (int r = 0; r < std::min(c.rows_per_head, SQ); ++r) picked[order[r]] = 1;
       }
       for (int i = 0; i < SQ; ++i) {
-        const bool adv = c.rows_per_head > 0 ? picked[i] != 0
-                         : c.share < 0        ? i == one
-                                              : uni(rng) < c.share;
+        const bool adv = (c.rows_per_head > 0 ? picked[i] != 0
+                          : c.share < 0        ? i == one
+                                               : uni(rng) < c.share) &&
+                         i >= c.first_affected;
         adversarial[(static_cast<size_t>(b) * H + h) * SQ + i] = adv;
         const double m = -target / (amp * scale);
         for (int d = 0; d < D; ++d) {
@@ -369,7 +387,7 @@ void run_case(const Case<Elt>& c, bool wgmma) {
                   [](const emu::TileRecord& t) { return t.n_rows > kNarrowRows; });
   const long wgmma_ran = emu::stats.wgmma - before.wgmma;
   if (wgmma && width <= 128 && any_wide) {
-    constexpr int kNT = TileShape<64>::kWgmmaNT;  // keys / 8 per warpgroup_key_part
+    constexpr int kNT = TileShape<64>::kWgmmaNT;  // keys / 8 per warpgroup_scores_to_ds
     EXPECT(wgmma_ran > 0 &&
                wgmma_ran % ((kKeyBlock / (8 * kNT)) * (2 * (width / 16) + kNT / 2)) == 0,
            "%ld wgmma: not whole key blocks of wide tiles", wgmma_ran);
@@ -933,6 +951,23 @@ TEST_CASE("repair kernels emulated on the CPU", "[repair][emulated]") {
     bf.push_back(c);
     c.name = "bf16 d128 all rows 20x70 causal";
     c.D = 128, c.causal = true;
+    bf.push_back(c);
+    // Key blocks wholly below a tile's first row need no mask (the unmasked
+    // scores_to_probs). Rows from 62 on: the tiles start at rows 62, 126 and
+    // 190, each one key short of a key block's end (an off-by-one in the
+    // test unmasks the diagonal key, and key 63 holds most of the weight of
+    // the rows that see it). s_kv 190 and 250: the last key block
+    // ends 2 and 6 keys early, where some threads of the loader (8 and 16
+    // rows apart at head_dim 128 and 64) still have every row but the last.
+    c = Case<Bf16>();
+    c.name = "bf16 d128 rows 62.. of 200x190 causal full bias: unmasked blocks, then masked";
+    c.D = 128, c.s_q = 200, c.s_kv = 190, c.share = 1.0, c.causal = true, c.H = 1, c.Hkv = 1;
+    c.first_affected = 62, c.hot_key = 63;
+    c.bias = Case<Bf16>::kFull;
+    bf.push_back(c);
+    c.name = "bf16 d64 one row per head 200x250 causal: narrow, unmasked blocks below the row";
+    c.D = 64, c.s_kv = 250, c.share = -1, c.bias = Case<Bf16>::kNoBias, c.H = 4, c.Hkv = 4;
+    c.first_affected = 0, c.hot_key = -1;
     bf.push_back(c);
     c = Case<Bf16>();
     c.name = "bf16 d64 many empty items, grid 1";
