@@ -31,10 +31,6 @@ constexpr int kScanRowsPerThread = 4;
 // A tile with at most this many rows is "narrow": all 4 warps share its 16
 // rows and split each key block four ways instead of idling 3 warps.
 constexpr int kNarrowRows = 16;
-// Key blocks a narrow tile prefetches into L2 beyond those its pipeline
-// stages hold (repair_tile): 4 x 32 KB per block at head_dim 128, 34 MB of
-// the H200's 50 MB of L2 with every block on a narrow tile.
-constexpr int kNarrowPrefetch = 4;
 // Rows of Q, dO and the bias that a tile of n_rows rows moves to shared
 // memory (zeros past n_rows): the 16 its warps read when the tile is narrow,
 // else all 64. One affected row per head then moves 16 rows instead of 64

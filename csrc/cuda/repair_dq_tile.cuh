@@ -319,21 +319,8 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
   };
   auto nothing = [](int) {};
   if (narrow) {
-    // A narrow tile does little math per key block, and its blocks (one row
-    // per head: up to a few per head, each on a block of its own) are a chain
-    // of memory latencies with 2 key blocks in flight, too few to keep the
-    // memory busy when only part of the blocks have a tile. K and V of the
-    // kNarrowPrefetch blocks past the refill go to L2 meanwhile.
-    auto prefetch_block = [&](int kb) {
-      if (kb < n_blocks) {
-        loader.prefetch_keys(k_head, p.k_st.s, kb * kKeyBlock, p.s_kv);
-        loader.prefetch_keys(v_head, p.v_st.s, kb * kKeyBlock, p.s_kv);
-      }
-    };
-    for (int d = 1; d < kNarrowPrefetch; ++d) prefetch_block(layout.stages - 1 + d);
     key_loop(nothing, [&](uint32_t stage, const uint16_t* bias_tile, int key_base, auto&& refill) {
       refill();
-      prefetch_block(key_base / kKeyBlock + layout.stages - 1 + kNarrowPrefetch);
       warp_key_block<Elt, kWidth, 2>(acc, ds_sum, qf, dof, q_tile_s, do_tile_s, stage, bias_tile,
                                      layout.kv_tile_bytes(), 0, warp * 16, key_base,
                                      p.scale_log2, wr, lc, lane);

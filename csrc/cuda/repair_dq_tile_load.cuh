@@ -40,13 +40,9 @@ struct TileLoader {
   int c;        // this thread's chunk
   int r0;       // its first row
   bool in_row;  // the chunk lies within head_dim
-  int head_dim;
 
-  __device__ __forceinline__ explicit TileLoader(int head_dim_)
-      : c(threadIdx.x % kChunks),
-        r0(threadIdx.x / kChunks),
-        in_row(c * 8 < head_dim_),
-        head_dim(head_dim_) {}
+  __device__ __forceinline__ explicit TileLoader(int head_dim)
+      : c(threadIdx.x % kChunks), r0(threadIdx.x / kChunks), in_row(c * 8 < head_dim) {}
 
   // kRows rows; row_src(i) = (source of row r0 + i * kRowStep's chunk, valid).
   // The vec test sits outside the unrolled loops.
@@ -102,23 +98,6 @@ struct TileLoader {
           return src + i * step;
         },
         head, vec);
-  }
-
-  // Keys first_key .. first_key + kKeyBlock - 1 of K or V (those below
-  // s_kv) into L2, a 128-byte line per thread: no shared memory, no wait.
-  __device__ __forceinline__ void prefetch_keys(const uint16_t* head, int64_t stride,
-                                                int first_key, int s_kv) const {
-    constexpr int kLines = kChunks / 8;  // per row of the compiled width
-    constexpr int kRounds = (kKeyBlock * kLines + kTileThreads - 1) / kTileThreads;
-#pragma unroll
-    for (int j = 0; j < kRounds; ++j) {
-      const int i = static_cast<int>(threadIdx.x) + j * kTileThreads;
-      const int key = first_key + i / kLines;
-      const int line = i % kLines;
-      if (i < kKeyBlock * kLines && key < s_kv && line * 64 < head_dim) {
-        prefetch_l2(head + static_cast<int64_t>(key) * stride + line * 64);
-      }
-    }
   }
 
   // The listed query rows s_row[0 .. n_rows - 1] of Q or dO, zeros up to

@@ -112,7 +112,6 @@ struct WarpState {
 
 struct Stats {
   long ldsm = 0, ldsm_conflicts = 0, mma = 0, cp_async = 0, barriers = 0, wgmma = 0;
-  long prefetch_l2 = 0;
 };
 
 struct Block {
@@ -380,10 +379,6 @@ inline void cp_async_16(uint32_t dst_s, const void* src, int src_bytes) {
   emu::cur->open_group.push_back(
       {dst, static_cast<const unsigned char*>(src), src_bytes});
 }
-
-// prefetch.global.L2 is a hint with no effect on results; counted so that a
-// test can see where the kernel issues it.
-inline void prefetch_l2(const void*) { ++emu::stats.prefetch_l2; }
 
 inline void cp_async_commit() {
   emu::cur->groups.push_back(std::move(emu::cur->open_group));
