@@ -186,8 +186,10 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
   };
 
   // Q and dO of the listed rows (one group), then key blocks 0 .. stages-2
-  // (a group each). Every group is committed even when empty, so that "all
-  // but the newest stages-1 groups" always means "up to the block needed".
+  // (a group each). Every group is committed even when empty, so that a
+  // count of pending groups always names a block: here "all but the newest
+  // stages-1" is Q and dO; in the key loop, whose refill is committed after
+  // its wait, "all but the newest stages-2" is block kb.
   loader.rows(layout.q_tile(), q_head, p.q_st.s, hdr.row, n_rows, p.vec);
   loader.rows(layout.do_tile(), go_head, p.go_st.s, hdr.row, n_rows, p.vec);
   cp_async_commit();
@@ -287,11 +289,12 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
   for (int j = 0; j < Shape::kDTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   float ds_sum[2] = {0.0f, 0.0f};  // Elt::kCenterKeys: sum_j dS of the two rows
 
-  // The key loop: one barrier per key block. At its top every warp has
-  // finished block kb - 1, so its stage takes block kb + stages - 1 (the
-  // `refill` each path calls); blocks kb + 1 .. kb + stages - 2 may still be
-  // in flight when block kb is needed. `before_barrier(kb)` runs ahead of
-  // the waits.
+  // The key loop: one barrier per key block. Past it every warp has
+  // finished its reads of block kb - 1 (on wgmma all but the last dS K,
+  // still in flight: see there), so that block's stage takes block
+  // kb + stages - 1 (the `refill` each path calls); blocks kb + 1 ..
+  // kb + stages - 2 may still be in flight when block kb is needed.
+  // `before_barrier(kb)` runs ahead of the waits.
   auto key_loop = [&](auto&& before_barrier, auto&& compute) {
     int use = 0;                   // the stage of block kb
     int fill = layout.stages - 1;  // the stage of block kb - 1, refilled with kb + stages - 1
@@ -331,8 +334,11 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
     // at the top of the next iteration, ahead of the barrier (it overlaps
     // the loop's waits), so that no wgmma is in flight across the loop's
     // back edge (there ptxas serializes every wgmma: C7515, nvcc 13.0). The
-    // refill waits for part A, whose first wait retires block kb - 1's last
-    // dS K: that reads the stage the refill overwrites.
+    // refill overwrites the stage that block kb - 1's last dS K reads: part
+    // A's first wait retires it, but only for the waiting warp (a wgmma is
+    // `.sync.aligned` per warp; each warp's rows finish on their own), so a
+    // barrier after part A lets no warp refill before every warp's wait.
+    // Part A's dS K keeps the tensor cores busy through it.
     constexpr int kNT = Shape::kWgmmaNT;
     static_assert(kKeyBlock == 16 * kNT, "two parts per key block");
     uint32_t ds_b[kNT / 2][4];  // part B's dS, for its dS K
@@ -347,6 +353,7 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
                                                    layout.kv_tile_bytes(), row0, 0, key_base,
                                                    p.scale_log2, wr, lane);
           warpgroup_ds_k<Elt, kWidth, kNT>(acc, ds_a, stage, 0);
+          __syncthreads();  // every warp's part A retired block kb - 1's last dS K
           refill();
           warpgroup_scores_to_ds<Elt, kWidth, kNT>(ds_b, ds_sum, qf, dof, stage, bias_tile,
                                                    layout.kv_tile_bytes(), row0, 8 * kNT,

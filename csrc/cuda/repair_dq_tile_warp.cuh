@@ -126,7 +126,8 @@ __device__ __forceinline__ void scores_to_probs_as(float (&p)[kNT][4], const uin
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       const int col = key0 + 8 * j + frag_col(lane, 0);  // within the block
-      // One rounding: fma(S, scale log2e, bias log2e - lse log2e).
+      // fma(S, scale log2e, bias log2e - lse log2e): one rounding without a
+      // bias (the old S scale log2e + bias log2e - lse log2e had two).
       float c0 = -wr.lse2[rr], c1 = -wr.lse2[rr];
       if constexpr (kBias) {
         const uint32_t w = *reinterpret_cast<const uint32_t*>(

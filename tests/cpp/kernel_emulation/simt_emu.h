@@ -73,7 +73,8 @@ enum class Wait { kNone, kBlock, kWarp };
 struct WgmmaResult {
   float* d;
   std::vector<float> values;
-  // Thread 0 only: the shared-memory operand (16 x n_cols) as read at issue.
+  // Lane 0 of each warp only: the shared-memory operand (16 x n_cols) as
+  // its warp read it at issue, checked again at that warp's wait.
   uint64_t desc = 0;
   bool trans_b = false;
   int n_cols = 0;
@@ -108,6 +109,7 @@ struct WarpState {
   int arrived = 0;
   unsigned long gen = 0;
   uint64_t slot[32][8];
+  size_t wgmma_issued = 0;  // this warp's wgmma ops so far (Block::wgmma_log)
 };
 
 struct Stats {
@@ -120,6 +122,7 @@ struct Block {
   std::vector<Thread> threads;
   std::vector<WarpState> warps;
   std::vector<WgmmaSlot> wgmma_slots;
+  std::vector<WgmmaSlot> wgmma_log;  // each wgmma as its first warp issued it
   std::vector<uint8_t> unfenced;  // per shared-memory byte: landed by cp.async, not fenced
   int arrived = 0;
   unsigned long gen = 0;
@@ -478,8 +481,10 @@ inline void emu_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t
 // 8-row groups of n `stride` apart, rows 128 bytes apart, k contiguous.
 // MN-major: 64-column blocks of n `leading` apart, 8-row groups of k
 // `stride` apart, rows 128 bytes apart, n contiguous. The swizzle XORs bits
-// 4-6 of the address with bits 7-9.
-inline uint16_t wgmma_b_elem(uint64_t desc, bool trans_b, int k, int n) {
+// 4-6 of the address with bits 7-9. `at_issue`: the read of a wgmma being
+// issued (its data must have passed fence.proxy.async), not the check at
+// its retiring wait that the data is unchanged.
+inline uint16_t wgmma_b_elem(uint64_t desc, bool trans_b, int k, int n, bool at_issue = true) {
   const uint32_t start = static_cast<uint32_t>(desc & 0x3fff) << 4;
   const uint32_t leading = static_cast<uint32_t>((desc >> 16) & 0x3fff) << 4;
   const uint32_t stride = static_cast<uint32_t>((desc >> 32) & 0x3fff) << 4;
@@ -492,7 +497,7 @@ inline uint16_t wgmma_b_elem(uint64_t desc, bool trans_b, int k, int n) {
   const uint32_t swizzled = addr ^ (((addr >> 7) & 7) << 4);
   const unsigned char* p = smem_base() + swizzled;
   emu::check_smem(p, 2, 2);
-  if (emu::blk->unfenced[swizzled] != 0)
+  if (at_issue && emu::blk->unfenced[swizzled] != 0)
     emu::fail("wgmma reads cp.async data not yet passed through fence.proxy.async");
   uint16_t x;
   std::memcpy(&x, p, 2);
@@ -511,7 +516,12 @@ inline const float* wgmma_pending(float* d) {
 }
 
 // d (64 x 8 kN) (+)= A (64 x 16: mma.m16n8k16 A fragments, warp w rows
-// 16 w..) * B (16 x 8 kN, shared memory through `desc`).
+// 16 w..) * B (16 x 8 kN, shared memory through `desc`). Each warp computes
+// and retires its own 16 rows, synchronized only within the warp, as
+// `.sync.aligned` promises: another warp of the warpgroup may still be
+// reading B after this one's wait returned (a stage refilled on one warp's
+// wait alone fails at the other warps' waits). Every warp must issue the
+// same sequence of wgmma (checked against the first warp's).
 template <int kN, class ToFloat>
 inline void emu_wgmma(float (&d)[kN][4], const uint32_t (&a)[4], uint64_t desc, bool accumulate,
                       bool trans_b, ToFloat to_float) {
@@ -521,18 +531,29 @@ inline void emu_wgmma(float (&d)[kN][4], const uint32_t (&a)[4], uint64_t desc, 
   emu::WgmmaSlot& mine = emu::blk->wgmma_slots[emu::cur->tid.x];
   std::memcpy(mine.a, a, sizeof mine.a);
   mine.desc = desc, mine.n_tiles = kN, mine.accumulate = accumulate, mine.trans_b = trans_b;
-  emu::block_sync();
-  const emu::WgmmaSlot& first = emu::blk->wgmma_slots[0];
-  if (mine.desc != first.desc || mine.n_tiles != first.n_tiles ||
-      mine.accumulate != first.accumulate || mine.trans_b != first.trans_b)
-    emu::fail("wgmma: the warpgroup's threads disagree on the instruction");
-  auto a_elem = [&](int row, int k) {
+  emu::warp_sync();
+  const int warp = emu::cur->warp, lane = emu::cur->lane;
+  const emu::WgmmaSlot& first = emu::blk->wgmma_slots[32 * warp];
+  auto same = [](const emu::WgmmaSlot& x, const emu::WgmmaSlot& y) {
+    return x.desc == y.desc && x.n_tiles == y.n_tiles && x.accumulate == y.accumulate &&
+           x.trans_b == y.trans_b;
+  };
+  if (!same(mine, first)) emu::fail("wgmma: the warp's threads disagree on the instruction");
+  if (lane == 0) {
+    std::vector<emu::WgmmaSlot>& log = emu::blk->wgmma_log;
+    const size_t i = emu::blk->warps[warp].wgmma_issued++;
+    if (i == log.size()) {
+      log.push_back(first);
+    } else if (!same(first, log[i])) {
+      emu::fail("wgmma: the warpgroup's warps disagree on the instruction");
+    }
+  }
+  auto a_elem = [&](int row, int k) {  // rows of this warp: its own threads' registers
     const int thread = (row / 16) * 32 + (row % 8) * 4 + (k % 8) / 2;
     const int reg = (row % 16 >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
     const uint32_t w = emu::blk->wgmma_slots[thread].a[reg];
     return to_float(static_cast<uint16_t>((k & 1) ? w >> 16 : w));
   };
-  const int warp = emu::cur->warp, lane = emu::cur->lane;
   const float* base = wgmma_pending(&d[0][0]);
   std::vector<float> out(4 * kN);
   for (int j = 0; j < kN; ++j) {
@@ -546,11 +567,11 @@ inline void emu_wgmma(float (&d)[kN][4], const uint32_t (&a)[4], uint64_t desc, 
     }
   }
   emu::WgmmaResult result{&d[0][0], std::move(out), desc, trans_b, 8 * kN, {}};
-  if (emu::cur->tid.x == 0) {  // the operand as read now, checked again at the wait
+  if (lane == 0) {  // the operand as this warp read it, checked again at its wait
     for (int k = 0; k < 16; ++k)
       for (int n = 0; n < 8 * kN; ++n) result.b_value.push_back(wgmma_b_elem(desc, trans_b, k, n));
   }
-  emu::block_sync();  // every thread read the slots
+  emu::warp_sync();  // every thread of the warp read the slots
   emu::cur->wgmma_open.push_back(std::move(result));
 }
 
@@ -576,7 +597,7 @@ inline void wgmma_wait() {
     for (const emu::WgmmaResult& r : groups.front()) {
       for (size_t i = 0; i < r.b_value.size(); ++i) {  // unchanged while in flight
         const int k = static_cast<int>(i) / r.n_cols, n = static_cast<int>(i) % r.n_cols;
-        if (wgmma_b_elem(r.desc, r.trans_b, k, n) != r.b_value[i])
+        if (wgmma_b_elem(r.desc, r.trans_b, k, n, false) != r.b_value[i])
           emu::fail("shared memory read by a wgmma changed before the wait that retires it");
       }
       std::copy(r.values.begin(), r.values.end(), r.d);

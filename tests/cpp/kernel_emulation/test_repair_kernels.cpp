@@ -954,9 +954,9 @@ TEST_CASE("repair kernels emulated on the CPU", "[repair][emulated]") {
     bf.push_back(c);
     // Key blocks wholly below a tile's first row need no mask (the unmasked
     // scores_to_probs). Rows from 62 on: the tiles start at rows 62, 126 and
-    // 190, each one key short of a key block's end (an off-by-one in the
-    // test unmasks the diagonal key, and key 63 holds most of the weight of
-    // the rows that see it). s_kv 190 and 250: the last key block
+    // 190; the first two one key short of a key block's end (an off-by-one
+    // in the test unmasks the diagonal key, and key 63 holds most of the
+    // weight of the rows that see it). s_kv 190 and 250: the last key block
     // ends 2 and 6 keys early, where some threads of the loader (8 and 16
     // rows apart at head_dim 128 and 64) still have every row but the last.
     c = Case<Bf16>();
@@ -968,6 +968,22 @@ TEST_CASE("repair kernels emulated on the CPU", "[repair][emulated]") {
     c.name = "bf16 d64 one row per head 200x250 causal: narrow, unmasked blocks below the row";
     c.D = 64, c.s_kv = 250, c.share = -1, c.bias = Case<Bf16>::kNoBias, c.H = 4, c.Hkv = 4;
     c.first_affected = 0, c.hot_key = -1;
+    bf.push_back(c);
+    // The same edge on a narrow tile's 16-key parts: rows 78..89, the first
+    // row's diagonal one key short of a part's end (keys 64..79), key 79 hot.
+    c = Case<Bf16>();
+    c.name = "bf16 d64 rows 78..89 of 90x250 causal: narrow, diagonal one key short of a part";
+    c.D = 64, c.s_q = 90, c.s_kv = 250, c.share = 1.0, c.causal = true, c.H = 1, c.Hkv = 1;
+    c.first_affected = 78, c.hot_key = 79;
+    bf.push_back(c);
+    // s_kv one key short of a 32- and a 16-key part (191): a part holding
+    // s_kv left unmasked would put P = 2^101 on a zero key (fp16 below).
+    c = Case<Bf16>();
+    c.name = "bf16 d64 all rows 70x191: s_kv one key short of a part";
+    c.s_kv = 191;
+    bf.push_back(c);
+    c.name = "bf16 d128 one row per head 40x191: narrow, s_kv one key short of a part";
+    c.D = 128, c.s_q = 40, c.share = -1;
     bf.push_back(c);
     c = Case<Bf16>();
     c.name = "bf16 d64 many empty items, grid 1";
@@ -1035,6 +1051,15 @@ TEST_CASE("repair kernels emulated on the CPU", "[repair][emulated]") {
     // 2 tiles of work (100 rows) at tiles 0 and 3, runs of 3 and 4 items.
     f.name = "fp16 d64 448x40, 100 rows per head: 2 tiles of work of 7";
     f.H = 2, f.Hkv = 2, f.s_q = 448, f.s_kv = 40, f.rows_per_head = 100, f.slots = 4;
+    fp.push_back(f);
+    // fp16 centres the keys, so a key past s_kv left unmasked (P = 2^101 on a
+    // zero key) enters dS's sum and overflows (bf16 cannot show it).
+    f = Case<Fp16>();
+    f.name = "fp16 d64 all rows 70x191: s_kv one key short of a part";
+    f.s_kv = 191;
+    fp.push_back(f);
+    f.name = "fp16 d64 one row per head 40x191: narrow, s_kv one key short of a part";
+    f.s_q = 40, f.share = -1;
     fp.push_back(f);
     f = Case<Fp16>();
     f.name = "fp16 d128 share 0.4 130x100";
