@@ -16,8 +16,9 @@
 // at head_dim <= 128 run on wgmma instead, the 4 warps as one warpgroup
 // (kWgmma, warpgroup_scores_to_ds / warpgroup_ds_k): every row 4096x4032
 // went from 331 to 407-430 TFLOP/s (H200, 2026-12-01, runs G1 and G5),
-// then to 512 with one barrier per key block, dS K in flight across it and
-// the softmax's tests taken once per call (run H2).
+// then to 512 with dS K in flight across the key loop's barrier and the
+// softmax's tests taken once per call (run H2, before the barrier that now
+// guards the wgmma refill).
 //
 // Work: the grid is persistent (see tile_grid_size). The (head, tile) items,
 // head-major, are cut into one contiguous run per block; for each head of
@@ -289,7 +290,8 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
   for (int j = 0; j < Shape::kDTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   float ds_sum[2] = {0.0f, 0.0f};  // Elt::kCenterKeys: sum_j dS of the two rows
 
-  // The key loop: one barrier per key block. Past it every warp has
+  // The key loop: one barrier per key block (the wgmma path adds one of
+  // its own: see there). Past it every warp has
   // finished its reads of block kb - 1 (on wgmma all but the last dS K,
   // still in flight: see there), so that block's stage takes block
   // kb + stages - 1 (the `refill` each path calls); blocks kb + 1 ..
