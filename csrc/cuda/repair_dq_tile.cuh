@@ -198,11 +198,15 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
     if (s < n_blocks) load_key_block(s, s);
     cp_async_commit();
   }
-  auto wait_all_but_newest = [&]() {  // stages - 1 groups may stay in flight
-    if (layout.stages == 3) {
-      cp_async_wait<2>();
-    } else {
+  // Waits until at most the `newest` (0..2) most recent groups are in flight
+  // (cp.async.wait_group takes a constant; the count follows the stages).
+  auto wait_all_but = [](int newest) {
+    if (newest == 1) {  // first: the key loop's count with 3 stages
       cp_async_wait<1>();
+    } else if (newest == 0) {
+      cp_async_wait<0>();
+    } else {
+      cp_async_wait<2>();
     }
   };
 
@@ -224,13 +228,9 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
       }
     }
     if constexpr (Elt::kCenterKeys) {  // Q, dO and key block 0 (for its mean) landed
-      if (layout.stages == 3) {
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
-      }
+      wait_all_but(layout.stages - 2);
     } else {
-      wait_all_but_newest();  // Q and dO landed
+      wait_all_but(layout.stages - 1);  // Q and dO landed
     }
     __syncthreads();
     if constexpr (Elt::kCenterKeys) {  // read after the key loop's barriers
@@ -302,11 +302,7 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
     int fill = layout.stages - 1;  // the stage of block kb - 1, refilled with kb + stages - 1
     for (int kb = 0; kb < n_blocks; ++kb) {
       before_barrier(kb);
-      if (layout.stages == 3) {
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
-      }
+      wait_all_but(layout.stages - 2);  // block kb landed
       if constexpr (kWgmma) fence_proxy_async();  // this thread's cp.async data, for wgmma
       __syncthreads();
       auto refill = [&]() {  // a group every iteration, even empty (wait accounting)

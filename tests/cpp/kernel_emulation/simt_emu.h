@@ -105,6 +105,22 @@ struct WgmmaSlot {
   bool accumulate, trans_b;
 };
 
+// Asynchronous ops in commit groups (cp.async copies, wgmma): committing
+// closes the thread's open group; a wait retires the oldest groups, op by
+// op, until at most `pending` remain.
+template <class Op>
+inline void commit_group(std::vector<Op>& open, std::vector<std::vector<Op>>& groups) {
+  groups.push_back(std::move(open));
+  open.clear();
+}
+template <class Op, class Retire>
+inline void retire_groups(std::vector<std::vector<Op>>& groups, int pending, Retire retire) {
+  while (static_cast<int>(groups.size()) > pending) {
+    for (const Op& op : groups.front()) retire(op);
+    groups.erase(groups.begin());
+  }
+}
+
 struct WarpState {
   int arrived = 0;
   unsigned long gen = 0;
@@ -383,22 +399,15 @@ inline void cp_async_16(uint32_t dst_s, const void* src, int src_bytes) {
       {dst, static_cast<const unsigned char*>(src), src_bytes});
 }
 
-inline void cp_async_commit() {
-  emu::cur->groups.push_back(std::move(emu::cur->open_group));
-  emu::cur->open_group.clear();
-}
+inline void cp_async_commit() { emu::commit_group(emu::cur->open_group, emu::cur->groups); }
 
 template <int kPending>
 inline void cp_async_wait() {
-  auto& groups = emu::cur->groups;
-  while (static_cast<int>(groups.size()) > kPending) {
-    for (const emu::Copy& c : groups.front()) {
-      std::memcpy(c.dst, c.src, c.bytes);
-      std::memset(c.dst + c.bytes, 0, 16 - c.bytes);
-      emu::landed(c.dst);
-    }
-    groups.erase(groups.begin());
-  }
+  emu::retire_groups(emu::cur->groups, kPending, [](const emu::Copy& c) {
+    std::memcpy(c.dst, c.src, c.bytes);
+    std::memset(c.dst + c.bytes, 0, 16 - c.bytes);
+    emu::landed(c.dst);
+  });
 }
 
 // ldmatrix .x4: lane l gives the row address for row l % 8 of matrix l / 8.
@@ -584,26 +593,19 @@ inline void fence_proxy_async() {
   emu::cur->unfenced.clear();
 }
 
-inline void wgmma_commit() {
-  emu::cur->wgmma_groups.push_back(std::move(emu::cur->wgmma_open));
-  emu::cur->wgmma_open.clear();
-}
+inline void wgmma_commit() { emu::commit_group(emu::cur->wgmma_open, emu::cur->wgmma_groups); }
 
 template <int kPending>
 inline void wgmma_wait() {
-  auto& groups = emu::cur->wgmma_groups;
   emu::cur->wgmma_fenced = false;  // the registers are the program's again
-  while (static_cast<int>(groups.size()) > kPending) {
-    for (const emu::WgmmaResult& r : groups.front()) {
-      for (size_t i = 0; i < r.b_value.size(); ++i) {  // unchanged while in flight
-        const int k = static_cast<int>(i) / r.n_cols, n = static_cast<int>(i) % r.n_cols;
-        if (wgmma_b_elem(r.desc, r.trans_b, k, n, false) != r.b_value[i])
-          emu::fail("shared memory read by a wgmma changed before the wait that retires it");
-      }
-      std::copy(r.values.begin(), r.values.end(), r.d);
+  emu::retire_groups(emu::cur->wgmma_groups, kPending, [](const emu::WgmmaResult& r) {
+    for (size_t i = 0; i < r.b_value.size(); ++i) {  // unchanged while in flight
+      const int k = static_cast<int>(i) / r.n_cols, n = static_cast<int>(i) % r.n_cols;
+      if (wgmma_b_elem(r.desc, r.trans_b, k, n, false) != r.b_value[i])
+        emu::fail("shared memory read by a wgmma changed before the wait that retires it");
     }
-    groups.erase(groups.begin());
-  }
+    std::copy(r.values.begin(), r.values.end(), r.d);
+  });
 }
 
 inline float bf16_to_float(uint16_t x) {
