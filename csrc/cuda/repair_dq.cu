@@ -135,6 +135,7 @@ void repair_dq_rows(at::Tensor& grad_query, const at::Tensor& grad_out, const at
   sp.s_q = s_q;
   sp.head_dim = head_dim;
   sp.dq_vec = rows_aligned(grad_query, 8);
+  sp.lse_vec = repair::lse_vectorizable(sp.lse, B, H, sp.lse_b, sp.lse_h, sp.lse_s);
   sp.threshold = kRepairLseThreshold;
   sp.repaired = reinterpret_cast<unsigned long long*>(repaired_rows);
   TileParams tp{};

@@ -43,6 +43,13 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int s
 #endif
 }
 
+// A hint: bring the 128-byte line holding `p` into L2 (no register, no
+// shared memory, nothing to wait for). Callers pass addresses inside their
+// tensors.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
 __device__ __forceinline__ void cp_async_commit() {
 #if OPENWAM_REPAIR_SM80
   asm volatile("cp.async.commit_group;\n" ::);

@@ -28,6 +28,11 @@
 #include "repair_dq_ptx.cuh"
 #endif
 
+// For the CPU emulation tests: they fail a misaligned vector load.
+#ifndef OPENWAM_REPAIR_CHECK_ALIGNED
+#define OPENWAM_REPAIR_CHECK_ALIGNED(ptr, bytes) ((void)0)
+#endif
+
 namespace openwam {
 namespace repair {
 
@@ -39,6 +44,7 @@ struct ScanParams {
   int64_t heads, s_q;  // heads per batch entry (H), query rows
   int head_dim;
   bool dq_vec;  // dQ rows are 16-byte aligned: write zeros 8 elements at a time
+  bool lse_vec;  // logsumexp rows contiguous and 16-byte aligned: a float4 per thread
   float threshold;
   unsigned long long* repaired;  // telemetry counter, or nullptr
 };
@@ -64,7 +70,7 @@ __device__ __forceinline__ void zero_row(uint16_t* row, int head_dim, bool vec, 
   }
 }
 
-// One walk over head `head` from `cursor`, round by round, until the round
+// One walk over the head at `pos` from `cursor`, round by round, until the round
 // in which rank `stop` is reached (or the head ends: stop = INT32_MAX). Rows
 // of rank lo .. hi - 1 go to s_row[rank - lo] (query row) and
 // s_lse2[rank - lo] (logsumexp * log2 e) when s_row is not nullptr; -inf
@@ -74,7 +80,7 @@ __device__ __forceinline__ void zero_row(uint16_t* row, int head_dim, bool vec, 
 // from `stop` on) reads that round again. All threads of the block call it, and
 // get the same result; `warp_sums` is kScanThreads / 32 ints of shared
 // memory.
-__device__ __forceinline__ int walk_rows(const ScanParams& p, int64_t head, RowCursor& cursor,
+__device__ __forceinline__ int walk_rows(const ScanParams& p, HeadPos pos, RowCursor& cursor,
                                          int lo, int hi, int stop, int* s_row,
                                          float* s_lse2, bool zero_empty, int* warp_sums) {
   constexpr int kWarps = kScanThreads / 32;
@@ -82,21 +88,30 @@ __device__ __forceinline__ int walk_rows(const ScanParams& p, int64_t head, RowC
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int64_t b = head / p.heads;
-  const int64_t h = head % p.heads;
-  const float* lse = p.lse + b * p.lse_b + h * p.lse_h;
-  uint16_t* dq = p.dq + b * p.dq_b + h * p.dq_h;
+  const float* lse = p.lse + pos.b * p.lse_b + pos.h * p.lse_h;
+  uint16_t* dq = p.dq + pos.b * p.dq_b + pos.h * p.dq_h;
 
   int seen = 0;  // affected rows from the cursor's rank on
   for (int64_t first = cursor.row; first < p.s_q; first += kRowsPerRound) {
     const int64_t row0 = first + static_cast<int64_t>(tid) * kScanRowsPerThread;
+    const int left = static_cast<int>(cmax<int64_t>(
+        0, cmin<int64_t>(kScanRowsPerThread, p.s_q - row0)));  // rows of mine below s_q
+    const float* src = lse + row0 * p.lse_s;
     float l[kScanRowsPerThread];
+    static_assert(kScanRowsPerThread == 4, "one float4 per thread");
+    if (p.lse_vec && left == kScanRowsPerThread) {
+      OPENWAM_REPAIR_CHECK_ALIGNED(src, 16);
+      const float4 v = *reinterpret_cast<const float4*>(src);
+      l[0] = v.x, l[1] = v.y, l[2] = v.z, l[3] = v.w;
+    } else {
+#pragma unroll
+      for (int k = 0; k < kScanRowsPerThread; ++k) l[k] = k < left ? src[k * p.lse_s] : 0.0f;
+    }
     bool low[kScanRowsPerThread], empty[kScanRowsPerThread];
     int mine = 0;
 #pragma unroll
     for (int k = 0; k < kScanRowsPerThread; ++k) {
-      const bool in = row0 + k < p.s_q;
-      l[k] = in ? lse[(row0 + k) * p.lse_s] : 0.0f;
+      const bool in = k < left;
       empty[k] = in && l[k] == -INFINITY;
       // NaN compares false: such a row is left alone.
       low[k] = in && l[k] < p.threshold && !empty[k];
@@ -157,13 +172,34 @@ __device__ __forceinline__ int walk_rows(const ScanParams& p, int64_t head, RowC
   return seen;
 }
 
-// The number of affected rows of head `head`; the owner also zeroes the -inf
+// The logsumexp of the `n_heads` heads from `pos` on into L2, a 128-byte
+// line per thread and step (PyTorch's logsumexp rows are contiguous; other
+// strides go without). A block walks its heads one after another, and
+// after cuDNN's backward their logsumexp is no longer in L2: each walk but
+// the first would wait a round trip to memory, the tile work of one head
+// between them (one affected row per head: 3 heads a block at 32x24x360x64).
+__device__ __forceinline__ void prefetch_lse(const ScanParams& p, HeadPos pos, int64_t n_heads) {
+  if (p.lse_s != 1 || p.s_q == 0) return;
+  for (int64_t k = 0; k < n_heads; ++k) {
+    const float* lse = p.lse + pos.b * p.lse_b + pos.h * p.lse_h;
+    const uintptr_t start = reinterpret_cast<uintptr_t>(lse);
+    const uintptr_t last = reinterpret_cast<uintptr_t>(lse + (p.s_q - 1));
+    // Lines from the one holding the head's first row; addresses within the rows.
+    for (uintptr_t line = (start & ~static_cast<uintptr_t>(127)) + threadIdx.x * 128u;
+         line <= last; line += 128u * kScanThreads) {
+      prefetch_l2(reinterpret_cast<const void*>(cmax(line, start)));
+    }
+    next_head(pos, static_cast<int>(p.heads));
+  }
+}
+
+// The number of affected rows of the head at `pos`; the owner also zeroes the -inf
 // rows, counts the rows for the telemetry and puts the rows of ranks
 // 0 .. kTileRows - 1 into s_row / s_lse2.
-__device__ __forceinline__ int count_head(const ScanParams& p, int64_t head, bool owner,
+__device__ __forceinline__ int count_head(const ScanParams& p, HeadPos pos, bool owner,
                                           int* s_row, float* s_lse2, int* warp_sums) {
   RowCursor start;
-  const int count = walk_rows(p, head, start, 0, kTileRows, INT32_MAX, owner ? s_row : nullptr,
+  const int count = walk_rows(p, pos, start, 0, kTileRows, INT32_MAX, owner ? s_row : nullptr,
                               s_lse2, owner, warp_sums);
   if (owner && threadIdx.x == 0 && count > 0 && p.repaired != nullptr) {
     atomicAdd(p.repaired, static_cast<unsigned long long>(count));
@@ -171,12 +207,12 @@ __device__ __forceinline__ int count_head(const ScanParams& p, int64_t head, boo
   return count;
 }
 
-// The rows of ranks lo .. hi - 1 of head `head` into s_row / s_lse2, from
+// The rows of ranks lo .. hi - 1 of the head at `pos` into s_row / s_lse2, from
 // `cursor` (at or before rank lo).
-__device__ __forceinline__ void gather_rows(const ScanParams& p, int64_t head, RowCursor& cursor,
+__device__ __forceinline__ void gather_rows(const ScanParams& p, HeadPos pos, RowCursor& cursor,
                                             int lo, int hi, int* s_row, float* s_lse2,
                                             int* warp_sums) {
-  walk_rows(p, head, cursor, lo, hi, hi, s_row, s_lse2, false, warp_sums);
+  walk_rows(p, pos, cursor, lo, hi, hi, s_row, s_lse2, false, warp_sums);
 }
 
 }  // namespace repair

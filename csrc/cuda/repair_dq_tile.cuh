@@ -50,6 +50,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "repair_dq_layout.cuh"
 #include "repair_dq_scan.cuh"
@@ -98,9 +99,9 @@ struct TileParams {
 // repair_tile: held in registers through it, the run's state spilled
 // (repair_tile takes all 255 at head_dim 128).
 struct RunState {
-  int64_t end, head, work, work_end, end_tile;
+  int64_t end, head;
   RowCursor cursor;
-  int count;
+  int pos_b, pos_h, work, work_end, end_tile, count;
 };
 
 // The shared-memory header: the current tile's rows, the scan's warp sums,
@@ -146,20 +147,19 @@ __device__ __forceinline__ void mean_of_keys(float* key_mean, const unsigned cha
 }
 
 // Recompute and write the dQ rows hdr.row[0 .. n_rows - 1] (ascending) of
-// head `head`. All threads of the block call it. kWgmma: wide tiles on
+// the head at `pos`. All threads of the block call it. kWgmma: wide tiles on
 // wgmma (warpgroup_scores_to_ds, warpgroup_ds_k) instead of mma.sync.
 template <class Elt, int kWidth, bool kWgmma>
 __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem& layout,
-                                            const TileHeader& hdr, int64_t head, int n_rows) {
+                                            const TileHeader& hdr, HeadPos pos, int n_rows) {
   using Shape = TileShape<kWidth>;
   constexpr int kChunks = Shape::kChunks;
   unsigned char* smem = smem_base();
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int64_t b = head / p.heads;
-  const int64_t h = head % p.heads;
-  const int64_t hk = h / p.kv_group;
+  const int b = pos.b, h = pos.h;
+  const int hk = h / static_cast<int>(p.kv_group);
   const bool has_bias = p.bias != nullptr;
 
   // Rows are listed in order: the last one sees the most keys under is_causal.
@@ -210,21 +210,27 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
     }
   };
 
-  // delta = dO . o in fp32: two threads per row, each half of head_dim;
-  // the output rows go straight to registers while Q and dO land.
-  {
-    const int r = tid >> 1;
-    const int half = tid & 1;
-    constexpr int kHalf = kChunks / 2;
-    uint4 o[kHalf];
+  // delta = dO . o in fp32, kT threads per row, each kChunks / kT adjacent
+  // chunks (wide tiles sum in the order they always did); the output rows
+  // go straight to registers while Q and dO land. A narrow tile puts 8
+  // threads on each of its 16 rows: 2 threads on each of 64 rows left 7 of
+  // 8 threads idle there and the other two with 4 times the loads (a fifth
+  // of the instructions of a head with one affected row: Nsight Compute,
+  // H200, 2026-12-01, run H4).
+  auto delta_rows = [&](auto threads_per_row) {
+    constexpr int kT = decltype(threads_per_row)::value;
+    constexpr int kPer = kChunks / kT;
+    static_assert(kChunks % kT == 0 && kTileThreads / kT <= kTileRows, "whole rows");
+    const int r = tid / kT;
+    const int part = tid % kT;
+    uint4 o[kPer];
+    const uint16_t* o_row = r < n_rows ? o_head + hdr.row[r] * p.o_st.s : nullptr;
 #pragma unroll
-    for (int i = 0; i < kHalf; ++i) {
-      const int c = half * kHalf + i;
-      const uint16_t* src =
-          r < n_rows && c * 8 < p.head_dim ? o_head + hdr.row[r] * p.o_st.s + c * 8 : nullptr;
+    for (int i = 0; i < kPer; ++i) {
+      const int c = part * kPer + i;
       o[i].x = o[i].y = o[i].z = o[i].w = 0u;
-      if (src != nullptr) {
-        o[i] = p.vec ? *reinterpret_cast<const uint4*>(src) : load8_scalar(src);
+      if (o_row != nullptr && c * 8 < p.head_dim) {
+        o[i] = p.vec ? *reinterpret_cast<const uint4*>(o_row + c * 8) : load8_scalar(o_row + c * 8);
       }
     }
     if constexpr (Elt::kCenterKeys) {  // Q, dO and key block 0 (for its mean) landed
@@ -236,17 +242,22 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
     if constexpr (Elt::kCenterKeys) {  // read after the key loop's barriers
       mean_of_keys<Elt, kWidth>(hdr.key_mean, smem + layout.stage(0), p.s_kv);
     }
+    // Rows past n_rows: their dO rows were loaded as zeros, dot = 0.
     float dot = 0.0f;
-    if (r < tile_rows_loaded(n_rows)) {  // the dO rows loaded (zeros past n_rows)
 #pragma unroll
-      for (int i = 0; i < kHalf; ++i) {
-        const uint4 g = *reinterpret_cast<const uint4*>(
-            do_tile + tile_offset<kChunks>(r, half * kHalf + i));
-        dot += dot8<Elt>(g, o[i]);
-      }
+    for (int i = 0; i < kPer; ++i) {
+      const uint4 g =
+          *reinterpret_cast<const uint4*>(do_tile + tile_offset<kChunks>(r, part * kPer + i));
+      dot += dot8<Elt>(g, o[i]);
     }
-    dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-    if (half == 0) hdr.delta[r] = dot;
+#pragma unroll
+    for (int m = 1; m < kT; m <<= 1) dot += __shfl_xor_sync(0xffffffffu, dot, m);
+    if (part == 0) hdr.delta[r] = dot;
+  };
+  if (n_rows <= kNarrowRows) {
+    delta_rows(std::integral_constant<int, kTileThreads / kNarrowRows>{});
+  } else {
+    delta_rows(std::integral_constant<int, kTileThreads / kTileRows>{});
   }
 
   const bool narrow = n_rows <= kNarrowRows;
@@ -288,6 +299,10 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
   float acc[Shape::kDTiles][4];
 #pragma unroll
   for (int j = 0; j < Shape::kDTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  // The zeros materialized here: without this, nvcc 13.0 staged them in
+  // uniform registers and copied each at the key loop (128 instructions a
+  // tile at head_dim 128).
+  wgmma_fence_operand(acc);
   float ds_sum[2] = {0.0f, 0.0f};  // Elt::kCenterKeys: sum_j dS of the two rows
 
   // The key loop: one barrier per key block (the wgmma path adds one of
@@ -464,28 +479,33 @@ __device__ __forceinline__ void repair_tiles(const ScanParams& scan, const TileP
   unsigned char* smem = smem_base();
   const TileHeader hdr(smem);
   const TileSmem layout{kWidth, p.bias != nullptr, p.stages};
-  const int64_t tiles = p.tiles_per_head;
+  const int tiles = static_cast<int>(p.tiles_per_head);
+  const int heads = static_cast<int>(p.heads);
   const int64_t grid = gridDim.x;
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * p.n_items / grid;
   int64_t end = (static_cast<int64_t>(blockIdx.x) + 1) * p.n_items / grid;
-  for (int64_t item = static_cast<int64_t>(blockIdx.x) * p.n_items / grid; item < end;) {
-    int64_t head = item_head(item, tiles);
-    const int64_t first_tile = item_tile(item, tiles);
-    int64_t end_tile = cmin(tiles, first_tile + (end - item));
+  // The run's first head; every later one starts at its tile 0.
+  int64_t head = item_head(begin, tiles);
+  int first_tile = static_cast<int>(item_tile(begin, tiles));
+  HeadPos pos = head_pos(head, heads);
+  if (begin < end) prefetch_lse(scan, pos, item_head(end - 1, tiles) - head + 1);
+  for (int64_t item = begin; item < end;) {
+    int end_tile = static_cast<int>(cmin<int64_t>(tiles, first_tile + (end - item)));
     // The block holding a head's tile 0 owns its -inf rows and telemetry,
     // and recomputes its tile of work 0 (at item 0): the count walk gathers
     // that tile's rows (one walk per head less where one tile holds all of a
     // head's rows, as with one affected row per head).
-    int count = count_head(scan, head, first_tile == 0, hdr.row, hdr.lse2, hdr.warp_sums);
+    int count = count_head(scan, pos, first_tile == 0, hdr.row, hdr.lse2, hdr.warp_sums);
     // The head's n_work tiles with rows sit at items 0, stride, 2 stride, ...
     // of the head, spread over its items so that every block's run gets its
     // share of them (at 10% of rows, the rows of 64-row ranks 0..6 of a
     // 4032-key head would otherwise all fall to the one block holding its
     // first items). This run's share: those at its tiles of the head.
     const WorkRange work = work_range(count, tiles, first_tile, end_tile);
-    int64_t work_end = work.end;
+    int work_end = work.end;
     RowCursor cursor;
-    for (int64_t j = work.begin; j < work_end; ++j) {
-      const int lo = static_cast<int>(j * kTileRows);
+    for (int j = work.begin; j < work_end; ++j) {
+      const int lo = j * kTileRows;
       const int n_rows = cmin(kTileRows, count - lo);
       if (threadIdx.x < kTileRows && static_cast<int>(threadIdx.x) >= n_rows) {
         hdr.row[threadIdx.x] = -1;
@@ -498,11 +518,13 @@ __device__ __forceinline__ void repair_tiles(const ScanParams& scan, const TileP
         // repair_tile) for one barrier per head.
         __syncthreads();
       } else {
-        gather_rows(scan, head, cursor, lo, lo + n_rows, hdr.row, hdr.lse2, hdr.warp_sums);
+        gather_rows(scan, pos, cursor, lo, lo + n_rows, hdr.row, hdr.lse2, hdr.warp_sums);
       }
       if (threadIdx.x == 0) {  // read back after repair_tile's closing barrier
         hdr.run->end = end;
         hdr.run->head = head;
+        hdr.run->pos_b = pos.b;
+        hdr.run->pos_h = pos.h;
         hdr.run->work = j;
         hdr.run->work_end = work_end;
         hdr.run->end_tile = end_tile;
@@ -511,9 +533,11 @@ __device__ __forceinline__ void repair_tiles(const ScanParams& scan, const TileP
         hdr.run->count = count;
       }
       OPENWAM_REPAIR_TRACE_TILE(head, j, n_rows);
-      repair_tile<Elt, kWidth, kWgmma>(p, layout, hdr, head, n_rows);
+      repair_tile<Elt, kWidth, kWgmma>(p, layout, hdr, pos, n_rows);
       end = hdr.run->end;
       head = hdr.run->head;
+      pos.b = hdr.run->pos_b;
+      pos.h = hdr.run->pos_h;
       j = hdr.run->work;
       work_end = hdr.run->work_end;
       end_tile = hdr.run->end_tile;
@@ -522,6 +546,9 @@ __device__ __forceinline__ void repair_tiles(const ScanParams& scan, const TileP
       count = hdr.run->count;
     }
     item = head * tiles + end_tile;
+    ++head;
+    first_tile = 0;
+    next_head(pos, heads);
   }
 }
 

@@ -17,8 +17,8 @@ constexpr float kTestLseThreshold = -40.0f;
 
 // A logsumexp [B, heads, s_q] (float32, contiguous), and dQ rows of
 // `head_dim` elements at strides `dq_st`; `repaired` may be nullptr.
-inline ScanParams scan_params(const float* lse, int64_t heads, int64_t s_q, uint16_t* dq,
-                              const RowStrides& dq_st, int head_dim, bool dq_vec,
+inline ScanParams scan_params(const float* lse, int64_t B, int64_t heads, int64_t s_q,
+                              uint16_t* dq, const RowStrides& dq_st, int head_dim, bool dq_vec,
                               unsigned long long* repaired) {
   ScanParams sp{};
   sp.lse = lse;
@@ -31,6 +31,7 @@ inline ScanParams scan_params(const float* lse, int64_t heads, int64_t s_q, uint
   sp.s_q = s_q;
   sp.head_dim = head_dim;
   sp.dq_vec = dq_vec;
+  sp.lse_vec = lse_vectorizable(lse, B, heads, sp.lse_b, sp.lse_h, sp.lse_s);
   sp.threshold = kTestLseThreshold;
   sp.repaired = repaired;
   return sp;

@@ -20,6 +20,7 @@
 // OPENWAM_REPAIR_TRACE_TILE records each tile of work in emu::tile_trace and
 // fills the shared memory past the header with 0xff again, so that any tile
 // (not only a block's first) that reads rows it never loaded shows.
+// OPENWAM_REPAIR_CHECK_ALIGNED fails a misaligned vector load.
 #pragma once
 
 #define OPENWAM_REPAIR_EMULATE 1
@@ -131,6 +132,9 @@ struct WarpState {
 struct Stats {
   long ldsm = 0, ldsm_conflicts = 0, mma = 0, cp_async = 0, barriers = 0, wgmma = 0;
 };
+// The addresses prefetch_l2 was given, for the tests to check (a hint has
+// no effect on results).
+inline std::vector<const void*> l2_prefetches;
 
 struct Block {
   EmuDim3 bid, gdim, bdim;
@@ -373,6 +377,18 @@ inline void trace_tile(int64_t head, int64_t work, int n_rows, size_t header_byt
 #define OPENWAM_REPAIR_TRACE_TILE(head, work, n_rows) \
   emu::trace_tile((head), (work), (n_rows), openwam::repair::TileSmem::kHeaderBytes)
 
+// A vector load from global memory must be aligned to its size on the GPU;
+// the CPU would read a misaligned one without complaint. Aborts the test
+// binary (an emulated thread cannot unwind into Catch2).
+#define OPENWAM_REPAIR_CHECK_ALIGNED(ptr, bytes)                                         \
+  do {                                                                                 \
+    if (reinterpret_cast<uintptr_t>(ptr) % (bytes) != 0) {                             \
+      std::fprintf(stderr, "misaligned %d-byte global load at %s:%d\n", (bytes), __FILE__, \
+                   __LINE__);                                                          \
+      std::abort();                                                                    \
+    }                                                                                  \
+  } while (0)
+
 namespace openwam {
 namespace repair {
 
@@ -398,6 +414,8 @@ inline void cp_async_16(uint32_t dst_s, const void* src, int src_bytes) {
   emu::cur->open_group.push_back(
       {dst, static_cast<const unsigned char*>(src), src_bytes});
 }
+
+inline void prefetch_l2(const void* p) { emu::l2_prefetches.push_back(p); }
 
 inline void cp_async_commit() { emu::commit_group(emu::cur->open_group, emu::cur->groups); }
 

@@ -112,7 +112,8 @@ double worst_row_error(bool wgmma) {
   for (int i = listed[1]; i < kSq; ++i) lse_given[kSq + i] = 0.0f;
   unsigned long long counter = 0;
   const ScanParams sp =
-      scan_params(lse_given.data(), kHeads, kSq, dq.v.data(), dq.strides(), kD, true, &counter);
+      scan_params(lse_given.data(), 1, kHeads, kSq, dq.v.data(), dq.strides(), kD, true,
+                  &counter);
 
   TileParams tp{};
   tp.q = q.v.data(), tp.k = k.v.data(), tp.v = v.v.data(), tp.o = o.v.data(), tp.go = go.v.data();

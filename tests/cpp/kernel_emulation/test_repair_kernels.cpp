@@ -18,6 +18,7 @@
 #include <cinttypes>
 #include <numeric>
 #include <random>
+#include <set>
 #include <string>
 
 #include "cuda/repair_dq_layout.cuh"
@@ -326,7 +327,7 @@ void run_case(const Case<Elt>& c, bool wgmma) {
   unsigned long long counter = 5;
   auto st = [](const Tensor4& t) { return RowStrides{t.stride[0], t.stride[1], t.stride[2]}; };
   const ScanParams sp =
-      scan_params(lse.data(), H, SQ, dq.data(), st(dq), D, aligned_rows(dq, 8), &counter);
+      scan_params(lse.data(), B, H, SQ, dq.data(), st(dq), D, aligned_rows(dq, 8), &counter);
 
   TileParams tp{};
   tp.q = q.data(), tp.k = k.data(), tp.v = v.data(), tp.o = o.data(), tp.go = go.data();
@@ -372,7 +373,27 @@ void run_case(const Case<Elt>& c, bool wgmma) {
     if (width == 256) repair_tiles<Elt, 256, false>(sp, tp);
   };
   emu::tile_trace.clear();
+  emu::l2_prefetches.clear();
   emu::launch(static_cast<unsigned>(grid), kTileThreads, smem, body);
+  // L2 prefetches: every 128-byte line of the logsumexp (each block its
+  // run's heads, ahead of the walks), at addresses inside it.
+  {
+    const auto lo = reinterpret_cast<uintptr_t>(lse.data());
+    const uintptr_t hi = lo + lse.size() * sizeof(float);
+    std::set<uintptr_t> lines;
+    long outside = 0;
+    for (const void* a : emu::l2_prefetches) {
+      const auto x = reinterpret_cast<uintptr_t>(a);
+      outside += x < lo || x >= hi;
+      lines.insert(x & ~uintptr_t{127});
+    }
+    long missing = 0;
+    for (uintptr_t line = lo & ~uintptr_t{127}; line < hi; line += 128)
+      missing += lines.count(line) == 0;
+    EXPECT(outside == 0 && missing == 0,
+           "L2 prefetch of the logsumexp: %ld addresses outside it, %ld of its lines missing",
+           outside, missing);
+  }
   if (c.rows_per_head > 0 && c.masked_rows == 0) {  // the case holds the work it names
     for (size_t head = 0; head < affected.size(); ++head)
       EXPECT(affected[head] == c.rows_per_head, "head %zu: %" PRId64 " rows to recompute", head,
@@ -696,7 +717,9 @@ struct WalkResult {
 };
 
 void walk_checks(int head_dim, bool dq_vec) {
-  constexpr int64_t kHeads = 3, kRows = 1300, kLsePitch = kRows + 5;
+  // A head's logsumexp at a pitch that keeps its rows 16-byte aligned (read
+  // a float4 at a time, the last 2 rows one by one) or not.
+  const int64_t kHeads = 3, kRows = 1302, kLsePitch = dq_vec ? 1304 : 1307;
   constexpr int kRound = kScanThreads * kScanRowsPerThread;
   constexpr int kSlots = kTileRows + 8;  // the most ranks per call, then a guard
   constexpr int kRowSentinel = -7;
@@ -751,10 +774,12 @@ void walk_checks(int head_dim, bool dq_vec) {
   for (int64_t e = 0; e < kHeads * kRows * dq_pitch; ++e) dq_data[e] = 0x3c00;  // 1.0 in fp16
   const std::vector<uint16_t> dq_initial(dq_data, dq_data + kHeads * kRows * dq_pitch);
   unsigned long long counter = 0;
-  ScanParams sp = scan_params(lse.data(), kHeads, kRows, dq_data,
+  ScanParams sp = scan_params(lse.data(), 1, kHeads, kRows, dq_data,
                               RowStrides{0, kRows * dq_pitch, dq_pitch}, head_dim, dq_vec,
                               &counter);
   sp.lse_b = kHeads * kLsePitch, sp.lse_h = kLsePitch;
+  sp.lse_vec = lse_vectorizable(lse.data(), 1, kHeads, sp.lse_b, sp.lse_h, sp.lse_s);
+  REQUIRE(sp.lse_vec == dq_vec);  // both ways of reading the logsumexp
 
   // Counts; then per head the ranks in chunks of 64 from rank 0 (a block's
   // run from the head's first tile), of 64 from rank 192 (a run resuming the
@@ -794,14 +819,15 @@ void walk_checks(int head_dim, bool dq_vec) {
       if (call.op != WalkOp::kGather || call.fresh) cursor = RowCursor{};
       if (tid == 0) res.before = cursor;
       int n = 0;
+      const HeadPos pos = head_pos(call.head, sp.heads);
       if (call.op == WalkOp::kCount)
-        n = walk_rows(sp, call.head, cursor, 0, INT32_MAX, INT32_MAX, nullptr, nullptr, false,
+        n = walk_rows(sp, pos, cursor, 0, INT32_MAX, INT32_MAX, nullptr, nullptr, false,
                       warp_sums);
       if (call.op == WalkOp::kGather)
-        n = walk_rows(sp, call.head, cursor, call.lo, call.hi, call.hi, s_row, s_lse2, false,
+        n = walk_rows(sp, pos, cursor, call.lo, call.hi, call.hi, s_row, s_lse2, false,
                       warp_sums);
       if (call.op == WalkOp::kOwnerCount || call.op == WalkOp::kOtherCount)
-        n = count_head(sp, call.head, call.op == WalkOp::kOwnerCount, s_row, s_lse2, warp_sums);
+        n = count_head(sp, pos, call.op == WalkOp::kOwnerCount, s_row, s_lse2, warp_sums);
       res.by_thread[tid] = {n, cursor.row, cursor.rank};
       __syncthreads();
       if (tid == 0) {
