@@ -350,10 +350,19 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
     // refill overwrites the stage that block kb - 1's last dS K reads: part
     // A's first wait retires it, but only for the waiting warp (a wgmma is
     // `.sync.aligned` per warp; each warp's rows finish on their own), so a
-    // barrier after part A lets no warp refill before every warp's wait.
-    // Part A's dS K keeps the tensor cores busy through it.
+    // barrier past part A lets no warp refill before every warp's wait. At
+    // head_dim 128 it sits after part B's products are issued: part A's dS K
+    // and part B's Q K^T and dO V^T keep the tensor cores busy while warps
+    // wait there (between the parts it cost about 3% of the kernel at
+    // 4096x4032 every row: d404b44 without it, 42aa82d with it, H200 runs
+    // H2 and I2 on two machines). Only there, in bf16: at 64, whose kernel
+    // is capped at 168 registers, and in fp16, whose descriptors take more,
+    // the refill's addresses beside part B's products in flight spill
+    // (inside the loop at 64; nvcc 13.0), and the barrier stays between the
+    // parts.
     constexpr int kNT = Shape::kWgmmaNT;
     static_assert(kKeyBlock == 16 * kNT, "two parts per key block");
+    constexpr bool kLateRefill = kWidth == 128 && !Elt::kCenterKeys;
     uint32_t ds_b[kNT / 2][4];  // part B's dS, for its dS K
     uint32_t stage_b = 0;       // and its stage
     key_loop(
@@ -364,13 +373,24 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
           uint32_t ds_a[kNT / 2][4];
           warpgroup_scores_to_ds<Elt, kWidth, kNT>(ds_a, ds_sum, qf, dof, stage, bias_tile,
                                                    layout.kv_tile_bytes(), row0, 0, key_base,
-                                                   p.scale_log2, wr, lane);
+                                                   p.scale_log2, wr, lane, [] {});
           warpgroup_ds_k<Elt, kWidth, kNT>(acc, ds_a, stage, 0);
-          __syncthreads();  // every warp's part A retired block kb - 1's last dS K
-          refill();
-          warpgroup_scores_to_ds<Elt, kWidth, kNT>(ds_b, ds_sum, qf, dof, stage, bias_tile,
-                                                   layout.kv_tile_bytes(), row0, 8 * kNT,
-                                                   key_base, p.scale_log2, wr, lane);
+          // Every warp's part A retired block kb - 1's last dS K past it.
+          auto barrier_and_refill = [&] {
+            __syncthreads();
+            refill();
+          };
+          if constexpr (kLateRefill) {
+            warpgroup_scores_to_ds<Elt, kWidth, kNT>(ds_b, ds_sum, qf, dof, stage, bias_tile,
+                                                     layout.kv_tile_bytes(), row0, 8 * kNT,
+                                                     key_base, p.scale_log2, wr, lane,
+                                                     barrier_and_refill);
+          } else {
+            barrier_and_refill();
+            warpgroup_scores_to_ds<Elt, kWidth, kNT>(ds_b, ds_sum, qf, dof, stage, bias_tile,
+                                                     layout.kv_tile_bytes(), row0, 8 * kNT,
+                                                     key_base, p.scale_log2, wr, lane, [] {});
+          }
           stage_b = stage;
         });
     if (n_blocks > 0) warpgroup_ds_k<Elt, kWidth, kNT>(acc, ds_b, stage_b, 8 * kNT);

@@ -277,13 +277,15 @@ __device__ __forceinline__ uint64_t tile_desc(uint32_t start16, uint32_t offset,
 // First half: S = Q K^T and dP = dO V^T on the tensor cores, then dS, packed
 // as the A operand of dS K (ds_operand) into `a`. Its first wait also retires
 // a dS K still in flight (warpgroup_ds_k of the previous part).
-template <class Elt, int kWidth, int kNT>
+// `while_in_flight()` runs once both products are issued, before the first
+// wait: what it waits for overlaps them on the tensor cores.
+template <class Elt, int kWidth, int kNT, class WhileInFlight>
 __device__ __forceinline__ void warpgroup_scores_to_ds(
     uint32_t (&a)[kNT / 2][4], float (&ds_sum)[2],
     const uint32_t (&qf)[TileShape<kWidth>::kFrags][4],
     const uint32_t (&dof)[TileShape<kWidth>::kFrags][4], uint32_t stage,
     const uint16_t* bias_tile, int kv_tile_bytes, int row0, int key0, int key_base,
-    float scale_log2, const WarpRows& wr, int lane) {
+    float scale_log2, const WarpRows& wr, int lane, WhileInFlight&& while_in_flight) {
   using Shape = TileShape<kWidth>;
   static_assert(Shape::kQInRegs, "wgmma takes Q and dO from registers");
   const uint32_t k_start16 = (stage + key0 * kTileRowBytes) >> 4;
@@ -313,6 +315,7 @@ __device__ __forceinline__ void warpgroup_scores_to_ds(
     Elt::template wgmma<kNT, 0>(ds, dof[kk], keys_desc(v_start16, kk), kk);
   }
   wgmma_commit();
+  while_in_flight();
   wgmma_wait<1>();  // S landed (and a dS K before it); dO V^T may still run
   wgmma_fence_operand(p);
   scores_to_probs<Elt, kNT>(p, bias_tile, row0, key0, key_base, scale_log2, wr, lane);

@@ -253,8 +253,13 @@ inline void run_block(EmuDim3 bid, EmuDim3 gdim, int threads, int smem_bytes,
       if (!runnable(t)) continue;
       any_runnable = true;
       // EMU_SKEW: runnable threads sit out a round at random, so that warps
-      // drift apart as they do on hardware (exposes missing barriers).
-      if (skew && (next_random() % 4u) != 0u) continue;
+      // drift apart as they do on hardware (exposes missing barriers); one
+      // warp of each block (a different one from block to block) runs 4
+      // times slower still, so that the others get far ahead of it between
+      // barriers (a refill a barrier too late to guard still passed the
+      // even drift).
+      const unsigned rate = t.warp == static_cast<int>(b.bid.x % 4) ? 16u : 4u;
+      if (skew && (next_random() % rate) != 0u) continue;
       cur = &t;
       swapcontext(&b.sched, &t.ctx);
     }
