@@ -155,10 +155,10 @@ OPENWAM_HD int64_t item_head(int64_t item, int64_t tiles_per_head) { return item
 OPENWAM_HD int64_t item_tile(int64_t item, int64_t tiles_per_head) { return item % tiles_per_head; }
 
 // Within a head everything is 32-bit (the host checks that the sequence
-// lengths fit in int32, so tiles_per_head and counts do): a 64-bit division
-// took about 40 instructions to the 32-bit one's 15, and a block does
-// several per head (a head with one affected row ran about 2,000 per warp:
-// Nsight Compute, H200, 2026-12-01, run H4).
+// lengths fit in int32, so tiles_per_head and counts do), and a head's
+// (b, h) is stepped, not divided out (HeadPos): 64-bit index math and
+// divisions took about 370 of the 2,000 instructions a warp ran per head
+// with one affected row (Nsight Compute, H200, 2026-12-01, run H4).
 // Tiles of work of a head with `count` affected rows (no overflow near
 // INT32_MAX), and the spacing s of their items in the head.
 OPENWAM_HD int work_tiles(int count) { return count / kTileRows + (count % kTileRows != 0); }
@@ -201,8 +201,8 @@ OPENWAM_HD void next_head(HeadPos& pos, int heads) {
 }
 
 // The row walk reads a logsumexp [B, H, s_q] a float4 (4 rows) at a time
-// when its rows are contiguous and each head starts 16-byte aligned
-// (PyTorch's, unless a view moves it); otherwise a float per row.
+// when its rows are contiguous and every head starts 16-byte aligned
+// (PyTorch's own when s_q is a multiple of 4); otherwise a float per row.
 inline bool lse_vectorizable(const void* data, int64_t B, int64_t H, int64_t stride_b,
                              int64_t stride_h, int64_t stride_s) {
   return stride_s == 1 && reinterpret_cast<uintptr_t>(data) % 16 == 0 &&

@@ -44,7 +44,7 @@ struct ScanParams {
   int64_t heads, s_q;  // heads per batch entry (H), query rows
   int head_dim;
   bool dq_vec;  // dQ rows are 16-byte aligned: write zeros 8 elements at a time
-  bool lse_vec;  // logsumexp rows contiguous and 16-byte aligned: a float4 per thread
+  bool lse_vec;  // lse_vectorizable: the walk reads a float4 per thread
   float threshold;
   unsigned long long* repaired;  // telemetry counter, or nullptr
 };

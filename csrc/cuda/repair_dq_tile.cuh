@@ -230,7 +230,8 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
       const int c = part * kPer + i;
       o[i].x = o[i].y = o[i].z = o[i].w = 0u;
       if (o_row != nullptr && c * 8 < p.head_dim) {
-        o[i] = p.vec ? *reinterpret_cast<const uint4*>(o_row + c * 8) : load8_scalar(o_row + c * 8);
+        const uint16_t* src = o_row + c * 8;
+        o[i] = p.vec ? *reinterpret_cast<const uint4*>(src) : load8_scalar(src);
       }
     }
     if constexpr (Elt::kCenterKeys) {  // Q, dO and key block 0 (for its mean) landed
@@ -300,8 +301,8 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
 #pragma unroll
   for (int j = 0; j < Shape::kDTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   // The zeros materialized here: without this, nvcc 13.0 staged them in
-  // uniform registers and copied each at the key loop (128 instructions a
-  // tile at head_dim 128).
+  // uniform registers and copied each at the key loop (about 120
+  // instructions a tile at head_dim 128).
   wgmma_fence_operand(acc);
   float ds_sum[2] = {0.0f, 0.0f};  // Elt::kCenterKeys: sum_j dS of the two rows
 
