@@ -589,6 +589,29 @@ void layout_checks() {
   EXPECT(head_dim_width(8) == 64 && head_dim_width(72) == 128 && head_dim_width(256) == 256 &&
             head_dim_width(264) == 0,
         "widths");
+  // The 32-bit work count at the int32 limit (count + 63 would overflow).
+  EXPECT(work_tiles(0) == 0 && work_tiles(1) == 1 && work_tiles(64) == 1 && work_tiles(65) == 2 &&
+             work_tiles(INT32_MAX) == INT32_MAX / kTileRows + 1,
+         "work_tiles");
+  // HeadPos stepped head by head equals the division, across batch entries.
+  for (const int heads : {1, 3, 24}) {
+    HeadPos pos = head_pos(0, heads);
+    long bad = 0;
+    for (int64_t head = 0; head < 5 * heads; ++head, next_head(pos, heads)) {
+      const HeadPos want = head_pos(head, heads);
+      bad += pos.b != want.b || pos.h != want.h || want.b * heads + want.h != head;
+    }
+    EXPECT(bad == 0, "%d heads: %ld steps off", heads, bad);
+  }
+  // Float4 logsumexp rows: contiguous rows, every head 16-byte aligned; a
+  // size-1 axis's stride does not matter.
+  alignas(16) static float lse[64];
+  EXPECT(lse_vectorizable(lse, 2, 3, 12, 4, 1), "aligned heads");
+  EXPECT(!lse_vectorizable(lse, 2, 3, 15, 5, 1), "heads 5 rows apart");
+  EXPECT(lse_vectorizable(lse, 1, 1, 5, 5, 1), "one head, any strides");
+  EXPECT(!lse_vectorizable(lse, 1, 2, 5, 6, 1), "two heads 6 rows apart");
+  EXPECT(!lse_vectorizable(lse + 1, 1, 1, 4, 4, 1), "misaligned start");
+  EXPECT(!lse_vectorizable(lse, 1, 1, 4, 4, 2), "strided rows");
 }
 
 // work_range, which picks the tiles of work a block recomputes, against a
