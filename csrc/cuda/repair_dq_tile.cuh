@@ -255,13 +255,13 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
     for (int m = 1; m < kT; m <<= 1) dot += __shfl_xor_sync(0xffffffffu, dot, m);
     if (part == 0) hdr.delta[r] = dot;
   };
-  if (n_rows <= kNarrowRows) {
+  const bool narrow = n_rows <= kNarrowRows;
+  if (narrow) {
     delta_rows(std::integral_constant<int, kTileThreads / kNarrowRows>{});
   } else {
     delta_rows(std::integral_constant<int, kTileThreads / kTileRows>{});
   }
 
-  const bool narrow = n_rows <= kNarrowRows;
   const int row0 = narrow ? 0 : warp * 16;
   // A warp past a wide tile's rows idles on mma.sync; a wgmma needs the
   // whole warpgroup (its rows are zeros, P = 0).
@@ -381,17 +381,13 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
             __syncthreads();
             refill();
           };
-          if constexpr (kLateRefill) {
-            warpgroup_scores_to_ds<Elt, kWidth, kNT>(ds_b, ds_sum, qf, dof, stage, bias_tile,
-                                                     layout.kv_tile_bytes(), row0, 8 * kNT,
-                                                     key_base, p.scale_log2, wr, lane,
-                                                     barrier_and_refill);
-          } else {
-            barrier_and_refill();
-            warpgroup_scores_to_ds<Elt, kWidth, kNT>(ds_b, ds_sum, qf, dof, stage, bias_tile,
-                                                     layout.kv_tile_bytes(), row0, 8 * kNT,
-                                                     key_base, p.scale_log2, wr, lane, [] {});
-          }
+          auto late = [&] {
+            if constexpr (kLateRefill) barrier_and_refill();
+          };
+          if constexpr (!kLateRefill) barrier_and_refill();
+          warpgroup_scores_to_ds<Elt, kWidth, kNT>(ds_b, ds_sum, qf, dof, stage, bias_tile,
+                                                   layout.kv_tile_bytes(), row0, 8 * kNT,
+                                                   key_base, p.scale_log2, wr, lane, late);
           stage_b = stage;
         });
     if (n_blocks > 0) warpgroup_ds_k<Elt, kWidth, kNT>(acc, ds_b, stage_b, 8 * kNT);
