@@ -1,0 +1,123 @@
+"""How much of the dQ repair a second stream would hide behind cuDNN's
+backward: the measurement behind BENCHMARKS.md's run J1 (issue 12's one
+affected row per head).
+
+The repair needs only q, k, v, out, dO and the logsumexp, all ready before
+cuDNN's backward starts, so it could run beside it and leave a scatter of
+its rows into dQ for after. This probe times, in paired rounds (device time
+with the host kept ahead, benchmarks/timing.py), cuDNN's backward alone
+(the op's leaf op with plan none), the backward then the repair on one
+stream (the landed plan), and the repair on a side stream beside the
+backward, launched before it or after it, its rows written to a scratch
+dQ. It prints the time each adds to the backward, median [min..max] over
+the rounds. The scatter the side stream would need after the backward is
+not in these figures.
+
+    python scripts/probe_side_stream.py [--rounds 5] [--repeats 30]
+
+About a minute on one H200; CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import timing  # noqa: E402
+from bench_repair_kernel import key_mask_bias  # noqa: E402
+from stack import headline, import_openwam, stack_info  # noqa: E402
+
+# issue 12's shapes with one affected row per head above 1.05x (run I4).
+CELLS = [(32, 24, 360, 64, "bool", 128), (32, 24, 360, 64, "bool", 64),
+         (16, 24, 704, 704, "none", 128), (16, 24, 704, 704, "none", 64)]
+VARIANTS = ("sequential", "side_first", "bwd_first")
+
+
+class Contender:
+    def __init__(self, name):
+        self.name = name
+
+    def context(self):
+        return contextlib.nullcontext()
+
+
+def probe_cell(ops, side, cell, share, rounds, repeats):
+    from openwam_sdpa.adversarial import adversarial_inputs
+
+    B, H, s_q, s_kv, mask, D = cell
+    a = adversarial_inputs(B, H, s_q, s_kv, D, rows=share, layout="bshd", device="cuda", seed=1)
+    q, k, v, go = a.query, a.key, a.value, a.grad_out
+    bias = key_mask_bias(B, s_q, s_kv, q.dtype, "cuda") if mask == "bool" else None
+    scale = 1.0 / math.sqrt(D)
+    out, lse, seed, offset = ops._cudnn_sdpa(q, k, v, bias, 0.0, False, None, True, 0)
+    scratch = torch.zeros_like(q)
+
+    def backward():
+        return ops._cudnn_sdpa_backward(go, q, k, v, bias, out, lse, seed, offset, 0.0, False,
+                                        None, 0)
+
+    def repair(dq):
+        ops._repair_dq_(dq, go, q, k, v, out, lse, bias, False, scale)
+
+    def sequential(_):
+        dq, _, _ = backward()
+        repair(dq)
+        return dq
+
+    def beside(first):
+        def run(_):
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            if first == "side":
+                with torch.cuda.stream(side):
+                    repair(scratch)
+            grads = backward()
+            if first == "backward":
+                with torch.cuda.stream(side):
+                    repair(scratch)
+            main.wait_stream(side)
+            return grads
+        return run
+
+    steps = {"stock": lambda _: backward(), "sequential": sequential,
+             "side_first": beside("side"), "bwd_first": beside("backward")}
+    runs = timing.paired_rounds(
+        [Contender(n) for n in steps],
+        lambda c: {"ms": timing.device_ms(steps[c.name], warmup=3, repeats=repeats)["median_ms"]},
+        rounds)
+    base = runs["stock"]["ms"]
+    line = (f"B{B} H{H} D{D} {s_q}x{s_kv} {mask:4s} {share:12s} "
+            f"stock bwd {timing.percentile(base, 50):.4f} ms")
+    for name in VARIANTS:
+        added = [(x - y) * 1e3 for x, y in zip(runs[name]["ms"], base)]
+        line += (f" | {name} +{timing.percentile(added, 50):5.1f} us "
+                 f"[{min(added):.1f}..{max(added):.1f}]")
+    return line
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("probe_side_stream.py: needs a CUDA device")
+    ow, error = import_openwam()
+    if ow is None:
+        raise SystemExit(f"probe_side_stream.py: cannot import openwam_sdpa: {error}")
+    print(headline(stack_info(ow, None, {})), flush=True)
+    side = torch.cuda.Stream()
+    for cell in CELLS:
+        for share in ("none", "one_per_head"):
+            print(probe_cell(torch.ops.openwam, side, cell, share, args.rounds, args.repeats),
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
