@@ -13,9 +13,16 @@ dQ. It prints the time each adds to the backward, median [min..max] over
 the rounds. The scatter the side stream would need after the backward is
 not in these figures.
 
-    python scripts/probe_side_stream.py [--rounds 5] [--repeats 30]
+--host-cost prints instead what such a plan would add to the host's time
+per backward (BENCHMARKS.md's run J6): a fork and a join (two event
+records, two stream waits), a second kernel launch, and a small zeroed
+workspace, each timed in C++ (an extension built on the spot) over 200
+calls while a sleep kernel holds the GPU, so that nothing waits for it.
 
-About a minute on one H200; CUDA only.
+    python scripts/probe_side_stream.py [--rounds 5] [--repeats 30]
+    python scripts/probe_side_stream.py --host-cost [--rounds 5]
+
+About a minute on one H200; CUDA only (--host-cost also nvcc and ninja).
 """
 
 from __future__ import annotations
@@ -101,17 +108,85 @@ def probe_cell(ops, side, cell, share, rounds, repeats):
     return line
 
 
+HOST_COST_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <chrono>
+
+__global__ void tiny_kernel(int* p) {
+  if (p != nullptr && threadIdx.x == 0 && blockIdx.x == 0) p[0] = 0;
+}
+
+using Clock = std::chrono::steady_clock;
+
+static double us_per_call(Clock::time_point a, Clock::time_point b, int n) {
+  return std::chrono::duration<double, std::micro>(b - a).count() / n;
+}
+
+// Host us per call of: a fork and a join; a launch (the repair kernel's
+// grid size at head_dim 128); a 4 KiB workspace with its header zeroed.
+std::vector<double> host_cost(int n) {
+  const cudaStream_t main = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t side = at::cuda::getStreamFromPool();
+  cudaEvent_t fork, join;
+  cudaEventCreateWithFlags(&fork, cudaEventDisableTiming);
+  cudaEventCreateWithFlags(&join, cudaEventDisableTiming);
+  std::vector<double> out;
+  auto t0 = Clock::now();
+  for (int i = 0; i < n; ++i) {
+    cudaEventRecord(fork, main);
+    cudaStreamWaitEvent(side, fork, 0);
+    cudaEventRecord(join, side);
+    cudaStreamWaitEvent(main, join, 0);
+  }
+  out.push_back(us_per_call(t0, Clock::now(), n));
+  t0 = Clock::now();
+  for (int i = 0; i < n; ++i) tiny_kernel<<<264, 128, 0, main>>>(nullptr);
+  out.push_back(us_per_call(t0, Clock::now(), n));
+  t0 = Clock::now();
+  for (int i = 0; i < n; ++i) {
+    at::Tensor w = at::empty({4096}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA));
+    cudaMemsetAsync(w.data_ptr(), 0, 64, main);
+  }
+  out.push_back(us_per_call(t0, Clock::now(), n));
+  cudaEventDestroy(fork);
+  cudaEventDestroy(join);
+  return out;
+}
+"""
+
+
+def host_cost(rounds):
+    from torch.utils.cpp_extension import load_inline
+
+    ext = load_inline("probe_side_stream_host_cost",
+                      cpp_sources="std::vector<double> host_cost(int n);",
+                      cuda_sources=HOST_COST_SOURCE, functions=["host_cost"])
+    for r in range(rounds + 1):  # round 0 warms the allocator and the launch path up
+        torch.cuda._sleep(int(2e9))  # about a second: the 600 calls never wait for the GPU
+        fork_join, launch, workspace = ext.host_cost(200)
+        torch.cuda.synchronize()
+        if r > 0:
+            print(f"round {r}: fork and join {fork_join:.2f} us, a second launch {launch:.2f} us, "
+                  f"a zeroed workspace {workspace:.2f} us", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--host-cost", action="store_true",
+                    help="the host time a side-stream plan would add per backward, instead")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("probe_side_stream.py: needs a CUDA device")
     ow, error = import_openwam()
+    print(headline(stack_info(ow, error, {})), flush=True)
+    if args.host_cost:  # CUDA and PyTorch only
+        host_cost(args.rounds)
+        return
     if ow is None:
         raise SystemExit(f"probe_side_stream.py: cannot import openwam_sdpa: {error}")
-    print(headline(stack_info(ow, None, {})), flush=True)
     side = torch.cuda.Stream()
     for cell in CELLS:
         for share in ("none", "one_per_head"):
