@@ -98,13 +98,12 @@ def probe_cell(ops, side, cell, share, rounds, repeats):
         [Contender(n) for n in steps],
         lambda c: {"ms": timing.device_ms(steps[c.name], warmup=3, repeats=repeats)["median_ms"]},
         rounds)
-    base = runs["stock"]["ms"]
     line = (f"B{B} H{H} D{D} {s_q}x{s_kv} {mask:4s} {share:12s} "
-            f"stock bwd {timing.percentile(base, 50):.4f} ms")
+            f"stock bwd {timing.percentile(runs['stock']['ms'], 50):.4f} ms")
     for name in VARIANTS:
-        added = [(x - y) * 1e3 for x, y in zip(runs[name]["ms"], base)]
-        line += (f" | {name} +{timing.percentile(added, 50):5.1f} us "
-                 f"[{min(added):.1f}..{max(added):.1f}]")
+        added = timing.round_deltas(runs, name, "stock", "ms")  # ms
+        line += (f" | {name} +{added['median'] * 1e3:5.1f} us "
+                 f"[{added['min'] * 1e3:.1f}..{added['max'] * 1e3:.1f}]")
     return line
 
 
