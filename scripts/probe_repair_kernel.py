@@ -64,6 +64,10 @@ SMALL = [
     Case(1, 2, 130, 77, 72, "all", mask=True),
     Case(1, 2, 130, 192, 128, "one_per_head", dtype=torch.float16, mask=True),
     Case(1, 2, 130, 704, 64, 0.1, dtype=torch.float16, causal=True, layout="bshd"),
+    # Keys long enough to split a narrow tile across a cluster (distributed
+    # shared memory: kSplitMinKeyBlocks in csrc/cuda/repair_dq_layout.cuh).
+    Case(1, 4, 130, 1600, 128, "one_per_head"),
+    Case(1, 2, 130, 1600, 64, "one_per_head", mask=True, layout="bshd"),
 ]
 BENCH = [Case(B, H, s_q, s_kv, 128, share, mask=(s_kv == 64), layout="bshd")
          for (B, H, s_q, s_kv) in [(16, 24, 704, 704), (32, 24, 360, 64), (4, 24, 4096, 4032)]

@@ -2,9 +2,10 @@
 // of repair_dq_rows (openwam::_repair_dq_ calls it: repair_dq.cpp).
 //
 // repair_kernel (repair_dq_tile_launch.cuh, instantiated in
-// repair_dq_tile_{bf16,fp16}.cu) is a persistent grid whose blocks each take
-// a run of (head, tile) items: for each head of the run, the block reads the
-// head's logsumexp, zeros the -inf rows (the head's owner), counts the rows
+// repair_dq_tile_{bf16,fp16}.cu) is a persistent grid whose blocks (on
+// sm_90, clusters of two blocks: launch_cluster) each take a run of (head,
+// tile) items: the block probes the logsumexp of the run's heads, then for
+// each head with rows, zeros the -inf rows (the head's owner), counts the rows
 // below the threshold (repair_dq_scan.cuh), then recomputes those of its
 // tiles, 64 rows at a time, on tensor cores (repair_dq_tile.cuh). Which rows
 // need work is known only on the GPU; the host never waits for it, so the op

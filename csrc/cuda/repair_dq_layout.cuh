@@ -210,9 +210,65 @@ inline bool lse_vectorizable(const void* data, int64_t B, int64_t H, int64_t str
 }
 
 // Grid size of the repair kernel: at most one block per resident slot
-// (`slots` = blocks per SM x SMs; a block walks its run of items).
+// (`slots` = blocks per SM x SMs; a block walks its run of items). With
+// clusters, `slots` counts resident clusters and the result is clusters.
 inline int64_t tile_grid_size(int64_t n_items, int64_t slots) {
   return cmax<int64_t>(1, cmin(n_items, slots));
+}
+
+// ---------------------------------------------------------------- clusters
+// On sm_90 the kernel is launched in clusters of kClusterBlocks blocks that
+// walk one run of items together (twice a block's), taking its tiles in
+// turn: the two blocks recompute neighbouring tiles of the same head at the
+// same time, so each key block of K and V comes from DRAM once for both
+// (every row at 16x24x704x704 D128: the repair alone 461 us against 526 us
+// for blocks on their own runs, 1.532x against 1.616x of stock cuDNN in
+// the share table; H200, 2026-12-01, run K2). Each block counts every head
+// of the run that has rows (no row affected at 704x704, before probe_heads
+// skipped such heads: 10.3 against 8.3 us).
+//
+// A long narrow tile is split between the cluster's blocks by keys
+// (block r takes key blocks split_keys(...)), the partial dQ rows summed
+// through distributed shared memory: one affected row per head at
+// 4x24x4096x4032 (96 heads of 63 key blocks on 264 resident blocks) took
+// 68.8 us against 83.2 us (run K2). Each block of a split tile pays the
+// tile's fixed costs (its rows, their delta, the closing sums): at 704x704
+// (11 key blocks, 384 heads) the split took 63.1 us against 56.6 us, so
+// tiles shorter than kSplitMinKeyBlocks key blocks are not split.
+constexpr int kClusterBlocks = 2;
+constexpr int kSplitMinKeyBlocks = 24;
+
+// Whether a tile is split across the cluster: the head's only tile of work
+// (count <= kNarrowRows: every block of the cluster has its rows from the
+// count walk, and no wide tile of the head holds one block while the other
+// waits for it), at least kSplitMinKeyBlocks key blocks long. Centred keys
+// (fp16) take one mean over the tile's first key block, which only one
+// block would load: they keep whole tiles.
+OPENWAM_HD bool split_tile(int cluster, bool center_keys, int count, int n_key_blocks) {
+  return cluster > 1 && !center_keys && count <= kNarrowRows &&
+         n_key_blocks >= kSplitMinKeyBlocks;
+}
+
+// Key blocks [begin, end) of block `rank` of a split tile of n key blocks.
+struct KeyRange {
+  int begin, end;
+};
+OPENWAM_HD KeyRange split_keys(int n_key_blocks, int rank, int cluster) {
+  return KeyRange{n_key_blocks * rank / cluster, n_key_blocks * (rank + 1) / cluster};
+}
+
+// The launch's blocks per cluster: kClusterBlocks where the device runs
+// clusters (sm_90 and newer, with the kernel built for it: `max_clusters` >
+// 0) and they can pay: keys longer than one key block (shorter K and V stay
+// in L2 between tiles anyway) and heads of two tiles or more (two blocks on
+// one head's tiles) or keys long enough to split. Heads of one tile at
+// 64x32x32x200 gained nothing and each block counted twice the heads: the
+// repair alone with no affected row took 19.4 us against 10.4 (H200,
+// 2026-12-01, run K3).
+inline int launch_cluster(int64_t s_kv, int64_t tiles_per_head, int max_clusters) {
+  const int64_t key_blocks = (s_kv + kKeyBlock - 1) / kKeyBlock;
+  const bool pays = key_blocks > 1 && (tiles_per_head > 1 || key_blocks >= kSplitMinKeyBlocks);
+  return pays && max_clusters > 0 ? kClusterBlocks : 1;
 }
 
 // The compiled head_dim widths: 64, 128 and 256 (0: over 256). A head_dim

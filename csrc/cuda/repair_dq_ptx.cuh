@@ -64,6 +64,48 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// ---------------------------------------------------------------- clusters
+// The blocks of a thread-block cluster (sm_90) that share a split tile
+// (repair_dq_layout.cuh, split_tile): a barrier across them, and the
+// address of a shared-memory location of this block in another block of the
+// cluster (a generic address into distributed shared memory).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+#define OPENWAM_REPAIR_SM90 1
+#else
+#define OPENWAM_REPAIR_SM90 0
+#endif
+
+// Every thread of every block of the cluster arrives, then waits; a thread
+// alternates the two. Arrive releases this thread's earlier writes (shared
+// memory of any block of the cluster), wait acquires the others'.
+__device__ __forceinline__ void cluster_arrive() {
+#if OPENWAM_REPAIR_SM90
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if OPENWAM_REPAIR_SM90
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+template <class T>
+__device__ __forceinline__ T* cluster_peer(T* p, int rank) {
+#if OPENWAM_REPAIR_SM90
+  uint64_t r;
+  asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(r) : "l"(p), "r"(rank));
+  return reinterpret_cast<T*>(r);
+#else
+  __trap();
+  return p;
+#endif
+}
+
 // ---------------------------------------------------------------- ldmatrix
 // `addr` is a shared-space address (smem_u32): 32-bit address arithmetic
 // keeps the many ldmatrix addresses of a tile in half the registers.

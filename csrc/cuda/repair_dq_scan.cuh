@@ -4,20 +4,24 @@
 // threshold; their rank is their position among them in row order. The
 // recompute takes them 64 ranks at a time (a head's k-th tile of work: ranks
 // 64 k .. 64 k + 63).
-// A block walks the head's logsumexp in rounds of kScanThreads *
+//   - probe_heads: first, one pass over the logsumexp of all the heads of a
+//     block's run: which of them have a row to act on. The others are
+//     skipped.
+// A block walks a head's logsumexp in rounds of kScanThreads *
 // kScanRowsPerThread rows, ranking the affected rows of a round with a
 // block-wide prefix sum:
 //   - count_head: one walk over the whole head. Gives the count; the head's
-//     owner (the block that holds its tile 0) also writes zeros to the dQ
-//     rows whose logsumexp is -inf (the row sees no key: its output and
-//     gradient are 0; cuDNN may have left NaN there), adds the count to the
-//     telemetry counter, and gathers the rows of its first tile of work
-//     (ranks 0..63: tile 0's), so that it needs no second walk for them.
+//     owner (the block that holds its tile 0; in a cluster, its first block)
+//     also writes zeros to the dQ rows whose logsumexp is -inf (the row sees
+//     no key: its output and gradient are 0; cuDNN may have left NaN
+//     there) and adds the count to the telemetry counter; the blocks that
+//     hold tile 0 gather the rows of its first tile of work (ranks 0..63),
+//     so that they need no second walk for them.
 //   - gather_rows: the rows of ranks lo .. hi - 1 into shared memory,
 //     resuming where the previous tile's walk stopped (RowCursor).
 // Nothing is kept between blocks or launches: no workspace, no barrier. On
-// ordinary data a block reads the logsumexp of the one to three heads its
-// tiles belong to, and that is the whole cost of the repair.
+// ordinary data a block reads the logsumexp of the heads its tiles belong to
+// once (probe_heads), and that is the whole cost of the repair.
 #pragma once
 
 #include <cmath>
@@ -193,13 +197,94 @@ __device__ __forceinline__ void prefetch_lse(const ScanParams& p, HeadPos pos, i
   }
 }
 
-// The number of affected rows of the head at `pos`; the owner also zeroes the -inf
-// rows, counts the rows for the telemetry and puts the rows of ranks
-// 0 .. kTileRows - 1 into s_row / s_lse2.
-__device__ __forceinline__ int count_head(const ScanParams& p, HeadPos pos, bool owner,
-                                          int* s_row, float* s_lse2, int* warp_sums) {
+// Heads of a run that probe_heads tells apart; later ones count as flagged.
+constexpr int kProbeHeads = 64;
+
+// Which of the `n_heads` heads from `pos` on have a row to act on (a
+// logsumexp below the threshold, -inf included; NaN is left alone, as in
+// walk_rows): bit k for head k < kProbeHeads. One pass over their
+// logsumexp, kBatch rounds' loads in flight per thread, then one barrier:
+// with no affected row that is a block's whole work, where walking head
+// after head (two barriers a round) took 8-13 us for the kernel (Nsight
+// Compute, H200, 2026-12-01, run J5). With it (its first form, run K4, the
+// repair alone against 77367cf on one machine), no affected row: 7.0 ->
+// 5.6 us at 16x24x704x704, 6.1 -> 4.2 at 32x24x360x64, 12.6 -> 7.4 at
+// 4x24x4096x4032, 10.5 -> 6.6 at 64x32x32x200; a head with rows pays its
+// round trip before the walks (one row per head at 360x64: 19.6 -> 20.9).
+// All threads of the block call it and get the same mask; `words` is
+// kScanThreads / 32 uint64 of shared memory.
+__device__ __forceinline__ uint64_t probe_heads(const ScanParams& p, HeadPos pos,
+                                                int64_t n_heads, uint64_t* words) {
+  constexpr int kRowsPerRound = kScanThreads * kScanRowsPerThread;
+  constexpr int kBatch = 4;
+  static_assert(kScanRowsPerThread == 4, "one float4 per thread and round");
+  const int tid = threadIdx.x;
+  const int n = static_cast<int>(cmin<int64_t>(n_heads, kProbeHeads));
+  // The next (head, round) to load, stepped without divisions.
+  int k = 0;
+  int64_t row0 = static_cast<int64_t>(tid) * kScanRowsPerThread;
+  const float* lse = p.lse + pos.b * p.lse_b + pos.h * p.lse_h;
+  uint64_t mask = 0;
+  while (k < n) {
+    float l[kBatch][kScanRowsPerThread];
+    int head_of[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      head_of[u] = k;
+      const int left = k < n ? static_cast<int>(cmax<int64_t>(
+                                   0, cmin<int64_t>(kScanRowsPerThread, p.s_q - row0)))
+                             : 0;
+      const float* src = lse + row0 * p.lse_s;
+      if (p.lse_vec && left == kScanRowsPerThread) {
+        OPENWAM_REPAIR_CHECK_ALIGNED(src, 16);
+        const float4 v = *reinterpret_cast<const float4*>(src);
+        l[u][0] = v.x, l[u][1] = v.y, l[u][2] = v.z, l[u][3] = v.w;
+      } else {
+#pragma unroll
+        for (int r = 0; r < kScanRowsPerThread; ++r)
+          l[u][r] = r < left ? src[r * p.lse_s] : INFINITY;  // past s_q: no row
+      }
+      // The next round, or the next head's first.
+      row0 += kRowsPerRound;
+      if (row0 - static_cast<int64_t>(tid) * kScanRowsPerThread >= p.s_q && k < n) {
+        row0 = static_cast<int64_t>(tid) * kScanRowsPerThread;
+        ++k;
+        next_head(pos, static_cast<int>(p.heads));
+        lse = p.lse + pos.b * p.lse_b + pos.h * p.lse_h;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      bool low = false;
+#pragma unroll
+      for (int r = 0; r < kScanRowsPerThread; ++r) low = low || l[u][r] < p.threshold;
+      if (low) mask |= uint64_t{1} << head_of[u];
+    }
+  }
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) mask |= __shfl_xor_sync(0xffffffffu, mask, m);
+  if ((tid & 31) == 0) words[tid >> 5] = mask;
+  __syncthreads();
+  uint64_t all = 0;
+#pragma unroll
+  for (int w = 0; w < kScanThreads / 32; ++w) all |= words[w];
+  return all;  // `words` is not written again: no second barrier
+}
+
+// Whether head k of the probed run may have a row to act on: flagged in
+// probe_heads's mask, or past the heads it tells apart.
+__device__ __forceinline__ bool probed(uint64_t mask, int64_t k) {
+  return k >= kProbeHeads || ((mask >> k) & 1u);
+}
+
+// The number of affected rows of the head at `pos`. With `gather`, the rows
+// of ranks 0 .. kTileRows - 1 go into s_row / s_lse2; the owner also zeroes
+// the -inf rows and counts the rows for the telemetry.
+__device__ __forceinline__ int count_head(const ScanParams& p, HeadPos pos, bool gather,
+                                          bool owner, int* s_row, float* s_lse2,
+                                          int* warp_sums) {
   RowCursor start;
-  const int count = walk_rows(p, pos, start, 0, kTileRows, INT32_MAX, owner ? s_row : nullptr,
+  const int count = walk_rows(p, pos, start, 0, kTileRows, INT32_MAX, gather ? s_row : nullptr,
                               s_lse2, owner, warp_sums);
   if (owner && threadIdx.x == 0 && count > 0 && p.repaired != nullptr) {
     atomicAdd(p.repaired, static_cast<unsigned long long>(count));

@@ -21,12 +21,17 @@
 // guards the wgmma refill).
 //
 // Work: the grid is persistent (see tile_grid_size). The (head, tile) items,
-// head-major, are cut into one contiguous run per block; for each head of
-// its run a block counts the head's affected rows (repair_dq_scan.cuh) and
-// recomputes those of its tiles that have rows, gathering each tile's rows
-// into shared memory first. Blocks never wait for each other. On ordinary
-// data every tile is empty and a block reads the logsumexp of the one to
-// three heads of its run.
+// head-major, are cut into one contiguous run per block, or per cluster of
+// two blocks on sm_90 (kCluster: launch_cluster, repair_dq_layout.cuh). A
+// block first probes the logsumexp of all of its run's heads at once
+// (probe_heads); for each head with a row to act on it counts the head's
+// affected rows (repair_dq_scan.cuh) and recomputes those of its tiles that
+// have rows, gathering each tile's rows into shared memory first. In a
+// cluster both blocks count every head of the run and take its tiles in
+// turn, except a long narrow tile, which they split by keys and sum through
+// distributed shared memory (split_tile). Otherwise blocks never wait for
+// each other. On ordinary data every tile is empty and the probe is a
+// block's whole work.
 //
 // Registers: for head_dim <= 128 the 16 rows of Q and dO of a warp stay in
 // registers for the whole tile (staged once through the last pipeline stage);
@@ -62,7 +67,7 @@
 
 // For the CPU emulation tests: they record each tile of work a block recomputes.
 #ifndef OPENWAM_REPAIR_TRACE_TILE
-#define OPENWAM_REPAIR_TRACE_TILE(head, work, n_rows) ((void)0)
+#define OPENWAM_REPAIR_TRACE_TILE(head, work, n_rows, parts) ((void)0)
 #endif
 
 namespace openwam {
@@ -101,7 +106,8 @@ struct TileParams {
 struct RunState {
   int64_t end, head;
   RowCursor cursor;
-  int pos_b, pos_h, work, work_end, end_tile, count;
+  int pos_b, pos_h, work, work_end, end_tile, count, turn;
+  int split_rank;  // the current tile's (repair_tile), read where it is used
 };
 
 // The shared-memory header: the current tile's rows, the scan's warp sums,
@@ -112,6 +118,7 @@ struct TileHeader {
   float* delta;     // [kTileRows]
   int* warp_sums;   // [kTileThreads / 32]
   float* key_mean;  // [kMaxWidth]: m of the centred keys (fp16 only)
+  uint64_t* probe_words;  // [kTileThreads / 32]: probe_heads's OR
   volatile RunState* run;
 
   __device__ __forceinline__ explicit TileHeader(unsigned char* smem)
@@ -120,12 +127,15 @@ struct TileHeader {
         delta(lse2 + kTileRows),
         warp_sums(reinterpret_cast<int*>(delta + kTileRows)),
         key_mean(reinterpret_cast<float*>(warp_sums + kTileThreads / 32)),
-        run(reinterpret_cast<RunState*>(key_mean + kMaxWidth)) {}
+        probe_words(reinterpret_cast<uint64_t*>(key_mean + kMaxWidth)),
+        run(reinterpret_cast<RunState*>(probe_words + kTileThreads / 32)) {}
 };
-static_assert((3 * kTileRows + kTileThreads / 32 + kMaxWidth) * 4 + sizeof(RunState) <=
+constexpr int kHeaderWordBytes = (3 * kTileRows + kTileThreads / 32 + kMaxWidth) * 4;
+static_assert(kHeaderWordBytes % 8 == 0, "probe_words misaligned");
+static_assert(kHeaderWordBytes + kTileThreads / 32 * 8 + sizeof(RunState) <=
                   TileSmem::kHeaderBytes,
               "the header outgrew its bytes");
-static_assert((3 * kTileRows + kTileThreads / 32 + kMaxWidth) * 4 % alignof(RunState) == 0,
+static_assert((kHeaderWordBytes + kTileThreads / 32 * 8) % alignof(RunState) == 0,
               "RunState misaligned");
 
 // m of the centred keys: the mean of the first key block's keys (zeros past
@@ -146,12 +156,26 @@ __device__ __forceinline__ void mean_of_keys(float* key_mean, const unsigned cha
   }
 }
 
+// Key blocks a tile whose last (largest) row is `last_row` walks.
+__device__ __forceinline__ int tile_key_blocks(const TileParams& p, int last_row) {
+  const int kv_end = p.causal ? cmin(p.s_kv, last_row + 1) : p.s_kv;
+  return (kv_end + kKeyBlock - 1) / kKeyBlock;
+}
+
 // Recompute and write the dQ rows hdr.row[0 .. n_rows - 1] (ascending) of
 // the head at `pos`. All threads of the block call it. kWgmma: wide tiles on
 // wgmma (warpgroup_scores_to_ds, warpgroup_ds_k) instead of mma.sync.
-template <class Elt, int kWidth, bool kWgmma>
+// kCluster: the kernel runs in clusters of kClusterBlocks (see
+// repair_dq_layout.cuh), and split_rank >= 0 marks a narrow tile split
+// across the cluster (split_tile), this block's rank in it: the block walks
+// its share of the key blocks (split_keys), and the cluster's first block
+// writes the rows. The epilogue reads it again from hdr.run (held in a
+// register through the key loop, it made the wide tiles' refill spill at
+// head_dim 128).
+template <class Elt, int kWidth, bool kWgmma, bool kCluster>
 __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem& layout,
-                                            const TileHeader& hdr, HeadPos pos, int n_rows) {
+                                            const TileHeader& hdr, HeadPos pos, int n_rows,
+                                            int split_rank) {
   using Shape = TileShape<kWidth>;
   constexpr int kChunks = Shape::kChunks;
   unsigned char* smem = smem_base();
@@ -163,8 +187,10 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
   const bool has_bias = p.bias != nullptr;
 
   // Rows are listed in order: the last one sees the most keys under is_causal.
-  const int kv_end = p.causal ? cmin(p.s_kv, hdr.row[n_rows - 1] + 1) : p.s_kv;
-  const int n_blocks = (kv_end + kKeyBlock - 1) / kKeyBlock;
+  const int n_blocks = tile_key_blocks(p, hdr.row[n_rows - 1]);
+  const KeyRange keys = kCluster && split_rank >= 0
+                            ? split_keys(n_blocks, split_rank, kClusterBlocks)
+                            : KeyRange{0, n_blocks};
 
   const uint16_t* q_head = p.q + b * p.q_st.b + h * p.q_st.h;
   const uint16_t* go_head = p.go + b * p.go_st.b + h * p.go_st.h;
@@ -186,8 +212,8 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
     }
   };
 
-  // Q and dO of the listed rows (one group), then key blocks 0 .. stages-2
-  // (a group each). Every group is committed even when empty, so that a
+  // Q and dO of the listed rows (one group), then the first stages-1 key
+  // blocks (a group each). Every group is committed even when empty, so that a
   // count of pending groups always names a block: here "all but the newest
   // stages-1" is Q and dO; in the key loop, whose refill is committed after
   // its wait, "all but the newest stages-2" is block kb.
@@ -195,7 +221,7 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
   loader.rows(layout.do_tile(), go_head, p.go_st.s, hdr.row, n_rows, p.vec);
   cp_async_commit();
   for (int s = 0; s + 1 < layout.stages; ++s) {
-    if (s < n_blocks) load_key_block(s, s);
+    if (keys.begin + s < keys.end) load_key_block(keys.begin + s, s);
     cp_async_commit();
   }
   // Waits until at most the `newest` (0..2) most recent groups are in flight
@@ -316,13 +342,13 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
   auto key_loop = [&](auto&& before_barrier, auto&& compute) {
     int use = 0;                   // the stage of block kb
     int fill = layout.stages - 1;  // the stage of block kb - 1, refilled with kb + stages - 1
-    for (int kb = 0; kb < n_blocks; ++kb) {
+    for (int kb = keys.begin; kb < keys.end; ++kb) {
       before_barrier(kb);
       wait_all_but(layout.stages - 2);  // block kb landed
       if constexpr (kWgmma) fence_proxy_async();  // this thread's cp.async data, for wgmma
       __syncthreads();
       auto refill = [&]() {  // a group every iteration, even empty (wait accounting)
-        if (kb + layout.stages - 1 < n_blocks) load_key_block(kb + layout.stages - 1, fill);
+        if (kb + layout.stages - 1 < keys.end) load_key_block(kb + layout.stages - 1, fill);
         cp_async_commit();
       };
       const uint16_t* bias_tile =
@@ -368,7 +394,8 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
     uint32_t stage_b = 0;       // and its stage
     key_loop(
         [&](int kb) {
-          if (kb > 0) warpgroup_ds_k<Elt, kWidth, kNT>(acc, ds_b, stage_b, 8 * kNT);
+          // stage_b != 0 past the first block (a stage is never at address 0).
+          if (stage_b != 0) warpgroup_ds_k<Elt, kWidth, kNT>(acc, ds_b, stage_b, 8 * kNT);
         },
         [&](uint32_t stage, const uint16_t* bias_tile, int key_base, auto&& refill) {
           uint32_t ds_a[kNT / 2][4];
@@ -390,7 +417,7 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
                                                    key_base, p.scale_log2, wr, lane, late);
           stage_b = stage;
         });
-    if (n_blocks > 0) warpgroup_ds_k<Elt, kWidth, kNT>(acc, ds_b, stage_b, 8 * kNT);
+    if (keys.end > keys.begin) warpgroup_ds_k<Elt, kWidth, kNT>(acc, ds_b, stage_b, 8 * kNT);
     wgmma_wait<0>();
     wgmma_fence_operand(acc);
   } else {
@@ -443,10 +470,19 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
     // summing all of them kept the other three at the closing barrier
     // (the largest stall with one affected row per head: Nsight Compute,
     // H200, 2026-12-01).
+    //
+    // A split tile adds the other block's sums: the cluster's second block
+    // writes its quarter sums into the first block's stage 1 (free once
+    // that block's key loop is done: the first cluster barrier), the first
+    // adds them after the second barrier and writes the rows. Each block
+    // arrives at the first barrier as soon as its own stages are free.
     constexpr int kPerWarp = Shape::kDTiles / 4;
     static_assert(Shape::kDTiles % 4 == 0, "a quarter of the columns per warp");
     static_assert(4 * Shape::kDTiles * 32 * 16 <= 2 * kKeyBlock * kWidth * 2,
                   "the partials fit in stage 0's K and V tiles");
+    if constexpr (kCluster) split_rank = hdr.run->split_rank;  // written before the tile's barriers
+    const bool split = kCluster && split_rank >= 0;
+    if (split) cluster_arrive();
     float4* partial = reinterpret_cast<float4*>(smem + layout.stage(0));
 #pragma unroll
     for (int j = 0; j < Shape::kDTiles; ++j) {
@@ -458,22 +494,51 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
       partial[(warp * Shape::kDTiles + j) * 32 + lane] = v;
     }
     __syncthreads();
+    float4 sum[kPerWarp];
 #pragma unroll
     for (int jj = 0; jj < kPerWarp; ++jj) {
       const int j = warp * kPerWarp + jj;
-      if (8 * j >= p.head_dim) break;
-      float4 sum = partial[j * 32 + lane];
+      sum[jj] = partial[j * 32 + lane];
 #pragma unroll
       for (int w = 1; w < 4; ++w) {
         const float4 v = partial[(w * Shape::kDTiles + j) * 32 + lane];
-        sum.x += v.x;
-        sum.y += v.y;
-        sum.z += v.z;
-        sum.w += v.w;
+        sum[jj].x += v.x;
+        sum[jj].y += v.y;
+        sum[jj].z += v.z;
+        sum[jj].w += v.w;
       }
-      const int col = 8 * j + frag_col(lane, 0);
-      if (wr.row[0] >= 0) store(wr.row[0], col, sum.x, sum.y);
-      if (wr.row[1] >= 0) store(wr.row[1], col, sum.z, sum.w);
+    }
+    if (split) {
+      // [kDTiles][32] float4: a quarter of the columns per warp, as `sum`.
+      float4* shared_sums = reinterpret_cast<float4*>(smem + layout.stage(1));
+      cluster_wait();
+      if (split_rank != 0) {
+        float4* first = cluster_peer(shared_sums, 0);
+#pragma unroll
+        for (int jj = 0; jj < kPerWarp; ++jj) first[(warp * kPerWarp + jj) * 32 + lane] = sum[jj];
+      }
+      cluster_arrive();
+      cluster_wait();
+      if (split_rank == 0) {
+#pragma unroll
+        for (int jj = 0; jj < kPerWarp; ++jj) {
+          const float4 v = shared_sums[(warp * kPerWarp + jj) * 32 + lane];
+          sum[jj].x += v.x;
+          sum[jj].y += v.y;
+          sum[jj].z += v.z;
+          sum[jj].w += v.w;
+        }
+      }
+    }
+    if (split_rank <= 0) {
+#pragma unroll
+      for (int jj = 0; jj < kPerWarp; ++jj) {
+        const int j = warp * kPerWarp + jj;
+        if (8 * j >= p.head_dim) break;
+        const int col = 8 * j + frag_col(lane, 0);
+        if (wr.row[0] >= 0) store(wr.row[0], col, sum[jj].x, sum[jj].y);
+        if (wr.row[1] >= 0) store(wr.row[1], col, sum[jj].z, sum[jj].w);
+      }
     }
   } else if (active) {
 #pragma unroll
@@ -490,29 +555,53 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
 }
 
 // The block's run of (head, tile) items: the whole grid covers every item
-// once. All threads of the block call it.
-template <class Elt, int kWidth, bool kWgmma>
+// once. All threads of the block call it. kCluster: the grid is clusters of
+// kClusterBlocks blocks, each cluster's blocks sharing one run.
+template <class Elt, int kWidth, bool kWgmma, bool kCluster>
 __device__ __forceinline__ void repair_tiles(const ScanParams& scan, const TileParams& p) {
   unsigned char* smem = smem_base();
   const TileHeader hdr(smem);
   const TileSmem layout{kWidth, p.bias != nullptr, p.stages};
   const int tiles = static_cast<int>(p.tiles_per_head);
   const int heads = static_cast<int>(p.heads);
-  const int64_t grid = gridDim.x;
-  const int64_t begin = static_cast<int64_t>(blockIdx.x) * p.n_items / grid;
-  int64_t end = (static_cast<int64_t>(blockIdx.x) + 1) * p.n_items / grid;
+  // The run belongs to the block's cluster (kClusterBlocks consecutive
+  // blocks; without clusters, the block alone), whose blocks walk it
+  // together.
+  constexpr int kBlocks = kCluster ? kClusterBlocks : 1;
+  const int rank = static_cast<int>(blockIdx.x % kBlocks);
+  const int64_t units = gridDim.x / kBlocks;
+  const int64_t unit = blockIdx.x / kBlocks;
+  const int64_t begin = unit * p.n_items / units;
+  int64_t end = (unit + 1) * p.n_items / units;
+  // Tiles of the run not split across the cluster so far: the cluster's
+  // blocks take them in turn.
+  int turn = 0;
   // The run's first head; every later one starts at its tile 0.
   int64_t head = item_head(begin, tiles);
   int first_tile = static_cast<int>(item_tile(begin, tiles));
   HeadPos pos = head_pos(head, heads);
-  if (begin < end) prefetch_lse(scan, pos, item_head(end - 1, tiles) - head + 1);
+  const int64_t first_head = head;
+  uint64_t flagged = 0;
+  if (begin < end) {
+    const int64_t n_heads = item_head(end - 1, tiles) - head + 1;
+    prefetch_lse(scan, pos, n_heads);
+    flagged = probe_heads(scan, pos, n_heads, hdr.probe_words);
+  }
   for (int64_t item = begin; item < end;) {
     int end_tile = static_cast<int>(cmin<int64_t>(tiles, first_tile + (end - item)));
-    // The block holding a head's tile 0 owns its -inf rows and telemetry,
-    // and recomputes its tile of work 0 (at item 0): the count walk gathers
-    // that tile's rows (one walk per head less where one tile holds all of a
-    // head's rows, as with one affected row per head).
-    int count = count_head(scan, pos, first_tile == 0, hdr.row, hdr.lse2, hdr.warp_sums);
+    if (!probed(flagged, head - first_head)) {  // nothing to count or recompute
+      item = head * tiles + end_tile;
+      ++head;
+      first_tile = 0;
+      next_head(pos, heads);
+      continue;
+    }
+    // The run holding a head's tile 0 recomputes its tile of work 0 (at
+    // item 0): the count walk gathers that tile's rows (one walk per head
+    // less where one tile holds all of a head's rows, as with one affected
+    // row per head). Its first block owns the head's -inf rows and telemetry.
+    int count = count_head(scan, pos, first_tile == 0, first_tile == 0 && rank == 0, hdr.row,
+                           hdr.lse2, hdr.warp_sums);
     // The head's n_work tiles with rows sit at items 0, stride, 2 stride, ...
     // of the head, spread over its items so that every block's run gets its
     // share of them (at 10% of rows, the rows of 64-row ranks 0..6 of a
@@ -524,6 +613,12 @@ __device__ __forceinline__ void repair_tiles(const ScanParams& scan, const TileP
     for (int j = work.begin; j < work_end; ++j) {
       const int lo = j * kTileRows;
       const int n_rows = cmin(kTileRows, count - lo);
+      // At most kNarrowRows rows: the head's only tile (j = 0), its rows
+      // from count_head, whose last barrier orders them.
+      const bool split = kCluster && count <= kNarrowRows &&
+                         split_tile(kBlocks, Elt::kCenterKeys, count,
+                                    tile_key_blocks(p, hdr.row[count - 1]));
+      if (kCluster && !split && turn++ % kBlocks != rank) continue;
       if (threadIdx.x < kTileRows && static_cast<int>(threadIdx.x) >= n_rows) {
         hdr.row[threadIdx.x] = -1;
         hdr.lse2[threadIdx.x] = INFINITY;
@@ -548,9 +643,13 @@ __device__ __forceinline__ void repair_tiles(const ScanParams& scan, const TileP
         hdr.run->cursor.row = cursor.row;
         hdr.run->cursor.rank = cursor.rank;
         hdr.run->count = count;
+        if constexpr (kCluster) {
+          hdr.run->turn = turn;
+          hdr.run->split_rank = split ? rank : -1;
+        }
       }
-      OPENWAM_REPAIR_TRACE_TILE(head, j, n_rows);
-      repair_tile<Elt, kWidth, kWgmma>(p, layout, hdr, pos, n_rows);
+      OPENWAM_REPAIR_TRACE_TILE(head, j, n_rows, split ? kBlocks : 1);
+      repair_tile<Elt, kWidth, kWgmma, kCluster>(p, layout, hdr, pos, n_rows, split ? rank : -1);
       end = hdr.run->end;
       head = hdr.run->head;
       pos.b = hdr.run->pos_b;
@@ -561,6 +660,7 @@ __device__ __forceinline__ void repair_tiles(const ScanParams& scan, const TileP
       cursor.row = hdr.run->cursor.row;
       cursor.rank = hdr.run->cursor.rank;
       count = hdr.run->count;
+      if constexpr (kCluster) turn = hdr.run->turn;
     }
     item = head * tiles + end_tile;
     ++head;

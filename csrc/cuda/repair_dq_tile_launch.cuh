@@ -7,10 +7,12 @@
 // launch costs the host about 4 us inside a backward, most of the 5 us a
 // call may add (issue 11): with a scan kernel and a tile kernel the repair
 // added 8.6 us to a backward, 1.0 us without their launches (H200 host,
-// torch 2.11, paired rounds, 2026-11-30). A grid-wide barrier between a scan phase and a tile phase would need
-// every block resident at once (a cooperative launch), which stalls the
-// repair behind whatever else holds the GPU's multiprocessors, such as the
-// NCCL kernels of data-parallel training that overlap the backward.
+// torch 2.11, paired rounds, 2026-11-30). A grid-wide barrier between a
+// scan phase and a tile phase would need every block resident at once (a
+// cooperative launch), which stalls the repair behind whatever else holds
+// the GPU's multiprocessors, such as the NCCL kernels of data-parallel
+// training that overlap the backward; a cluster needs only its two blocks
+// at once.
 #pragma once
 
 #include <ATen/cuda/CUDAContext.h>
@@ -41,19 +43,26 @@ void launch_repair_fp16(const ScanParams& scan, const TileParams& tiles, int dev
 template <int kWidth>
 constexpr bool kTileWgmma = OPENWAM_REPAIR_WGMMA && TileShape<kWidth>::kQInRegs;
 
-template <class Elt, int kWidth>
+// kCluster: launched in clusters of kClusterBlocks (launch_cluster). A
+// kernel of its own, so that blocks on their own runs keep the code they
+// had without clusters.
+template <class Elt, int kWidth, bool kCluster>
 __global__ void __launch_bounds__(kTileThreads, kTileBlocksPerSm<kWidth>)
     repair_kernel(const ScanParams scan, const TileParams tiles) {
-  repair_tiles<Elt, kWidth, kTileWgmma<kWidth>>(scan, tiles);
+  repair_tiles<Elt, kWidth, kTileWgmma<kWidth>, kCluster>(scan, tiles);
 }
 
 // How the kernel runs on a device, without and with a bias (which adds a
-// tile to each stage): pipeline depth, blocks per SM and the kernel's driver
-// handle. Found once per device.
+// tile to each stage): pipeline depth, blocks per SM, clusters of
+// kClusterBlocks resident at once (0: the device or the kernel's build has no
+// clusters) and the kernels' driver handles (without and with clusters).
+// Found once per device.
 struct TileConfig {
   int stages = 0;
   int blocks_per_sm = 0;
+  int max_clusters = 0;
   CUfunction function = nullptr;
+  CUfunction cluster_function = nullptr;
 };
 
 // The driver's cuLaunchKernelEx, found through the runtime (no link to
@@ -104,7 +113,8 @@ TileConfig tile_config(int device, bool has_bias) {
               device, " out of range");
   std::call_once(once[device], [device] {
     const cudaDeviceProp* props = at::cuda::getDeviceProperties(device);
-    const auto kernel = repair_kernel<Elt, kWidth>;
+    const auto kernel = repair_kernel<Elt, kWidth, false>;
+    const auto cluster_kernel = repair_kernel<Elt, kWidth, true>;
     std::array<TileConfig, 2>& c = configs[device];
     int max_smem = 0;
     for (int with_bias = 0; with_bias < 2; ++with_bias) {
@@ -114,15 +124,37 @@ TileConfig tile_config(int device, bool has_bias) {
           static_cast<int>(props->reservedSharedMemPerBlock));
       max_smem = std::max(max_smem, TileSmem{kWidth, with_bias == 1, c[with_bias].stages}.total());
     }
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        max_smem));
-    CUfunction f = nullptr;
-    C10_CUDA_CHECK(cudaGetFuncBySymbol(&f, reinterpret_cast<const void*>(kernel)));
-    c[0].function = c[1].function = f;
+    CUfunction f[2] = {nullptr, nullptr};
+    for (int k = 0; k < 2; ++k) {
+      const auto kern = k == 0 ? kernel : cluster_kernel;
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          max_smem));
+      C10_CUDA_CHECK(cudaGetFuncBySymbol(&f[k], reinterpret_cast<const void*>(kern)));
+    }
+    c[0].function = c[1].function = f[0];
+    c[0].cluster_function = c[1].cluster_function = f[1];
+    // Clusters need sm_90 and a kernel built for it (not sm_80 code run on a
+    // newer GPU: its cluster instructions compile to a trap).
+    cudaFuncAttributes attrs{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attrs, cluster_kernel));
+    const bool clusters = props->major >= 9 && attrs.binaryVersion >= 90;
     for (int with_bias = 0; with_bias < 2; ++with_bias) {
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &c[with_bias].blocks_per_sm, kernel, kTileThreads,
-          TileSmem{kWidth, with_bias == 1, c[with_bias].stages}.total()));
+      const int smem = TileSmem{kWidth, with_bias == 1, c[with_bias].stages}.total();
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c[with_bias].blocks_per_sm,
+                                                                   kernel, kTileThreads, smem));
+      if (!clusters) continue;
+      cudaLaunchAttribute cluster_dim{};
+      cluster_dim.id = cudaLaunchAttributeClusterDimension;
+      cluster_dim.val.clusterDim.x = kClusterBlocks;
+      cluster_dim.val.clusterDim.y = cluster_dim.val.clusterDim.z = 1;
+      cudaLaunchConfig_t probe{};
+      probe.gridDim = dim3(kClusterBlocks);
+      probe.blockDim = dim3(kTileThreads);
+      probe.dynamicSmemBytes = static_cast<size_t>(smem);
+      probe.attrs = &cluster_dim;
+      probe.numAttrs = 1;
+      C10_CUDA_CHECK(
+          cudaOccupancyMaxActiveClusters(&c[with_bias].max_clusters, cluster_kernel, &probe));
     }
   });
   return configs[device][has_bias ? 1 : 0];
@@ -136,18 +168,30 @@ void launch_repair_width(const ScanParams& scan, TileParams tiles, int device,
   TORCH_CHECK(config.blocks_per_sm > 0, "openwam::repair_dq_rows: the repair kernel (head_dim width ",
               kWidth, ") does not fit on this GPU's multiprocessors");
   tiles.stages = config.stages;
-  const int64_t slots = static_cast<int64_t>(config.blocks_per_sm) *
+  const int cluster = launch_cluster(tiles.s_kv, tiles.tiles_per_head, config.max_clusters);
+  const int64_t slots =
+      cluster > 1 ? config.max_clusters
+                  : static_cast<int64_t>(config.blocks_per_sm) *
                         at::cuda::getDeviceProperties(device)->multiProcessorCount;
   CUlaunchConfig launch{};
-  launch.gridDimX = static_cast<unsigned>(tile_grid_size(tiles.n_items, slots));
+  launch.gridDimX = static_cast<unsigned>(tile_grid_size(tiles.n_items, slots) * cluster);
   launch.gridDimY = launch.gridDimZ = 1;
   launch.blockDimX = kTileThreads;
   launch.blockDimY = launch.blockDimZ = 1;
   launch.sharedMemBytes = static_cast<unsigned>(TileSmem{kWidth, has_bias, tiles.stages}.total());
   launch.hStream = stream;
+  CUlaunchAttribute cluster_dim{};
+  if (cluster > 1) {
+    cluster_dim.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    cluster_dim.value.clusterDim.x = static_cast<unsigned>(cluster);
+    cluster_dim.value.clusterDim.y = cluster_dim.value.clusterDim.z = 1;
+    launch.attrs = &cluster_dim;
+    launch.numAttrs = 1;
+  }
   void* args[] = {const_cast<ScanParams*>(&scan), &tiles};
   bind_primary_context(device);
-  const CUresult status = launch_kernel_ex()(&launch, config.function, args, nullptr);
+  const CUresult status = launch_kernel_ex()(
+      &launch, cluster > 1 ? config.cluster_function : config.function, args, nullptr);
   TORCH_CHECK(status == CUDA_SUCCESS, "openwam::repair_dq_rows: launching the repair kernel failed ",
               "(CUresult ", static_cast<int>(status), ")");
 }

@@ -97,6 +97,14 @@ CASES = (
         Case(s_kv=704, rows=0.1, layout="bshd"),
         Case(dtype="fp16", s_kv=192, rows="all", layout="bshd", bias="key"),
         Case(s_q=70, s_kv=77, D=72, rows=0.1, layout="padded", bias="full", masked_rows=(3,)),
+        # Keys long enough that a head's narrow tile is split across a
+        # cluster of two blocks (kSplitMinKeyBlocks, csrc/cuda/repair_dq_layout.cuh),
+        # at each head_dim width; fp16 keeps whole tiles, taken in turn.
+        Case(s_kv=1600, rows="one_per_head"),
+        Case(s_kv=1600, rows="one_per_head", D=64, layout="bshd", bias="key"),
+        Case(s_kv=1600, rows="one_per_head", D=256),
+        Case(s_q=1600, s_kv=1600, rows=0.005, causal=True, H=2),
+        Case(dtype="fp16", s_kv=1600, rows="one_per_head"),
     ]
 )
 

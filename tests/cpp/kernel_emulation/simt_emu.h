@@ -67,7 +67,7 @@ struct Copy {
   int bytes;
 };
 
-enum class Wait { kNone, kBlock, kWarp };
+enum class Wait { kNone, kBlock, kWarp, kCluster };
 
 // One thread's share of a wgmma: its accumulator and the values it gets
 // when the wait retires the op.
@@ -96,6 +96,8 @@ struct Thread {
   std::vector<std::vector<WgmmaResult>> wgmma_groups;
   bool wgmma_fenced = false;        // a wgmma.fence since the last wait
   std::vector<uint32_t> unfenced;   // cp.async chunks landed, no fence.proxy.async yet
+  bool cluster_arrived = false;     // arrived at the cluster barrier, not yet waited
+  unsigned long cluster_phase = 0;  // the phase it arrived in
 };
 
 // What each thread hands to a wgmma (all must agree but on `a`).
@@ -152,6 +154,15 @@ struct Block {
 
 inline Thread* cur = nullptr;
 inline Block* blk = nullptr;
+
+// The blocks of the cluster being run (consecutive block indices; one block
+// without clusters) and its barrier.
+struct Cluster {
+  std::vector<Block*> blocks;
+  int threads = 0, arrived = 0;
+  unsigned long gen = 0;
+};
+inline Cluster* clu = nullptr;
 inline Stats stats;
 // cp.async copies land when issued instead of at the wait that retires them.
 inline bool eager_copies = std::getenv("EMU_EAGER") != nullptr;
@@ -169,6 +180,7 @@ inline bool runnable(const Thread& t) {
     case Wait::kNone: return true;
     case Wait::kBlock: return blk->gen != t.wait_gen;
     case Wait::kWarp: return blk->warps[t.warp].gen != t.wait_gen;
+    case Wait::kCluster: return clu->gen != t.wait_gen;
   }
   return false;
 }
@@ -201,6 +213,28 @@ inline void warp_sync() {
   cur->wait = Wait::kNone;
 }
 
+// barrier.cluster.arrive / .wait: every thread of every block of the
+// cluster arrives before a waiting thread goes on; a thread alternates them.
+inline void cluster_arrive() {
+  if (cur->cluster_arrived) fail("barrier.cluster.arrive twice without a wait");
+  cur->cluster_arrived = true;
+  cur->cluster_phase = clu->gen;
+  if (++clu->arrived == clu->threads) {
+    clu->arrived = 0;
+    ++clu->gen;
+  }
+}
+
+inline void cluster_wait() {
+  if (!cur->cluster_arrived) fail("barrier.cluster.wait without an arrive");
+  cur->cluster_arrived = false;
+  if (clu->gen != cur->cluster_phase) return;
+  cur->wait = Wait::kCluster;
+  cur->wait_gen = cur->cluster_phase;
+  yield();
+  cur->wait = Wait::kNone;
+}
+
 inline uint64_t* my_slot() { return blk->warps[cur->warp].slot[cur->lane]; }
 inline uint64_t* slot_of(int lane) { return blk->warps[cur->warp].slot[lane]; }
 
@@ -210,77 +244,87 @@ inline void trampoline() {
   for (const auto& g : cur->groups) {
     if (!g.empty()) fail("a thread ended with cp.async groups never waited for");
   }
+  if (cur->cluster_arrived) fail("a thread ended arrived at a cluster barrier it never waited on");
   if (!cur->wgmma_open.empty() || !cur->wgmma_groups.empty())
     fail("a thread ended with wgmma ops never committed or waited for");
   swapcontext(&cur->ctx, &blk->sched);
 }
 
-// Runs `body` as every thread of block `bid` (threads x 1 x 1) with
-// `smem_bytes` of dynamic shared memory.
-inline void run_block(EmuDim3 bid, EmuDim3 gdim, int threads, int smem_bytes,
-                      const std::function<void()>& body) {
-  Block b;
-  b.bid = bid;
-  b.gdim = gdim;
-  b.bdim.x = threads;
-  b.bdim.y = b.bdim.z = 1;
-  b.smem.assign(smem_bytes, 0xff);
-  b.unfenced.assign(smem_bytes, 0);
-  b.threads.resize(threads);
-  b.warps.resize((threads + 31) / 32);
-  b.wgmma_slots.resize(threads);
-  b.body = body;
+// Runs `body` as every thread of the cluster of blocks first .. first + n - 1
+// (threads x 1 x 1 each) with `smem_bytes` of dynamic shared memory each.
+inline void run_cluster(unsigned first, unsigned n, EmuDim3 gdim, int threads, int smem_bytes,
+                        const std::function<void()>& body) {
   if (threads % 32 != 0) fail("block size must be a multiple of 32");
-  Block* saved_blk = blk;
-  blk = &b;
-  for (int i = 0; i < threads; ++i) {
-    Thread& t = b.threads[i];
-    t.tid.x = i;
-    t.lane = i % 32;
-    t.warp = i / 32;
-    t.stack.resize(256 * 1024);
-    getcontext(&t.ctx);
-    t.ctx.uc_stack.ss_sp = t.stack.data();
-    t.ctx.uc_stack.ss_size = t.stack.size();
-    t.ctx.uc_link = nullptr;
-    makecontext(&t.ctx, trampoline, 0);
+  std::vector<Block> blocks(n);
+  Cluster c;
+  c.threads = static_cast<int>(n) * threads;
+  for (unsigned r = 0; r < n; ++r) {
+    Block& b = blocks[r];
+    b.bid.x = first + r;
+    b.gdim = gdim;
+    b.bdim.x = threads;
+    b.bdim.y = b.bdim.z = 1;
+    b.smem.assign(smem_bytes, 0xff);
+    b.unfenced.assign(smem_bytes, 0);
+    b.threads.resize(threads);
+    b.warps.resize((threads + 31) / 32);
+    b.wgmma_slots.resize(threads);
+    b.body = body;
+    c.blocks.push_back(&b);
+    for (int i = 0; i < threads; ++i) {
+      Thread& t = b.threads[i];
+      t.tid.x = i;
+      t.lane = i % 32;
+      t.warp = i / 32;
+      t.stack.resize(256 * 1024);
+      getcontext(&t.ctx);
+      t.ctx.uc_stack.ss_sp = t.stack.data();
+      t.ctx.uc_stack.ss_size = t.stack.size();
+      t.ctx.uc_link = nullptr;
+      makecontext(&t.ctx, trampoline, 0);
+    }
   }
+  Block* saved_blk = blk;
+  Cluster* saved_clu = clu;
+  clu = &c;
   for (;;) {
     bool all_done = true, any_runnable = false;
-    for (Thread& t : b.threads) {
-      if (t.done) continue;
-      all_done = false;
-      if (!runnable(t)) continue;
-      any_runnable = true;
-      // EMU_SKEW: runnable threads sit out a round at random, so that warps
-      // drift apart as they do on hardware (exposes missing barriers); one
-      // warp of each block (a different one from block to block) runs 4
-      // times slower still, so that the others get far ahead of it between
-      // barriers (a refill a barrier too late to guard still passed the
-      // even drift).
-      const unsigned rate = t.warp == static_cast<int>(b.bid.x % 4) ? 16u : 4u;
-      if (skew && (next_random() % rate) != 0u) continue;
-      cur = &t;
-      swapcontext(&b.sched, &t.ctx);
+    for (Block& b : blocks) {
+      blk = &b;
+      for (Thread& t : b.threads) {
+        if (t.done) continue;
+        all_done = false;
+        if (!runnable(t)) continue;
+        any_runnable = true;
+        // EMU_SKEW: runnable threads sit out a round at random, so that warps
+        // drift apart as they do on hardware (exposes missing barriers); one
+        // warp of each block (a different one from block to block) runs 4
+        // times slower still, so that the others get far ahead of it between
+        // barriers (a refill a barrier too late to guard still passed the
+        // even drift).
+        const unsigned rate = t.warp == static_cast<int>(b.bid.x % 4) ? 16u : 4u;
+        if (skew && (next_random() % rate) != 0u) continue;
+        cur = &t;
+        swapcontext(&b.sched, &t.ctx);
+      }
     }
     if (all_done) break;
     if (!any_runnable) fail("deadlock: every live thread waits at a barrier others never reach");
   }
   blk = saved_blk;
+  clu = saved_clu;
   cur = nullptr;
 }
 
-// A grid of blocks, one after another.
-inline void launch(unsigned grid, int threads, int smem_bytes,
-                   const std::function<void()>& body) {
+// A grid of blocks in clusters of `cluster` consecutive blocks, one cluster
+// after another.
+inline void launch(unsigned grid, int threads, int smem_bytes, const std::function<void()>& body,
+                   unsigned cluster = 1) {
+  if (cluster == 0 || grid % cluster != 0) fail("the grid must be whole clusters");
   EmuDim3 g;
   g.x = grid;
   g.y = g.z = 1;
-  for (unsigned i = 0; i < grid; ++i) {
-    EmuDim3 b;
-    b.x = i;
-    run_block(b, g, threads, smem_bytes, body);
-  }
+  for (unsigned i = 0; i < grid; i += cluster) run_cluster(i, cluster, g, threads, smem_bytes, body);
 }
 
 inline void check_smem(const void* p, int bytes, int align) {
@@ -364,14 +408,15 @@ struct TileRecord {
   unsigned block;
   int64_t head, work;
   int n_rows;
+  int parts;  // blocks of the cluster sharing the tile's keys (1: not split)
 };
 inline std::vector<TileRecord> tile_trace;
 
 // Called by every thread of the block, between tiles (no copy in flight).
-inline void trace_tile(int64_t head, int64_t work, int n_rows, size_t header_bytes) {
+inline void trace_tile(int64_t head, int64_t work, int n_rows, int parts, size_t header_bytes) {
   block_sync();  // every thread is past the previous tile
   if (cur->tid.x == 0) {
-    tile_trace.push_back({blk->bid.x, head, work, n_rows});
+    tile_trace.push_back({blk->bid.x, head, work, n_rows, parts});
     std::fill(blk->smem.begin() + header_bytes, blk->smem.end(), 0xff);
   }
   block_sync();
@@ -379,8 +424,8 @@ inline void trace_tile(int64_t head, int64_t work, int n_rows, size_t header_byt
 
 }  // namespace emu
 
-#define OPENWAM_REPAIR_TRACE_TILE(head, work, n_rows) \
-  emu::trace_tile((head), (work), (n_rows), openwam::repair::TileSmem::kHeaderBytes)
+#define OPENWAM_REPAIR_TRACE_TILE(head, work, n_rows, parts) \
+  emu::trace_tile((head), (work), (n_rows), (parts), openwam::repair::TileSmem::kHeaderBytes)
 
 // A vector load from global memory must be aligned to its size on the GPU;
 // the CPU would read a misaligned one without complaint. Aborts the test
@@ -402,6 +447,20 @@ inline unsigned char* smem_base() { return emu::blk->smem.data(); }
 // Shared-space addresses are offsets into the block's shared memory.
 inline uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(static_cast<const unsigned char*>(p) - smem_base());
+}
+
+inline void cluster_arrive() { emu::cluster_arrive(); }
+inline void cluster_wait() { emu::cluster_wait(); }
+
+// mapa: the same offset in the shared memory of block `rank` of the cluster.
+template <class T>
+inline T* cluster_peer(T* p, int rank) {
+  const auto* c = reinterpret_cast<const unsigned char*>(p);
+  if (c < emu::blk->smem.data() || c >= emu::blk->smem.data() + emu::blk->smem.size())
+    emu::fail("mapa of an address outside the block's shared memory");
+  if (rank < 0 || rank >= static_cast<int>(emu::clu->blocks.size()))
+    emu::fail("mapa to a rank outside the cluster");
+  return reinterpret_cast<T*>(emu::clu->blocks[rank]->smem.data() + (c - emu::blk->smem.data()));
 }
 
 inline void cp_async_16(uint32_t dst_s, const void* src, int src_bytes) {

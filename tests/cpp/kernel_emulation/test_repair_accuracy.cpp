@@ -137,9 +137,9 @@ double worst_row_error(bool wgmma) {
   emu::launch(kHeads, kTileThreads, TileSmem{kWidth, false, tp.stages}.total(),
               [&] {
                 if (wgmma) {
-                  repair_tiles<Fp16, kWidth, true>(sp, tp);
+                  repair_tiles<Fp16, kWidth, true, false>(sp, tp);
                 } else {
-                  repair_tiles<Fp16, kWidth, false>(sp, tp);
+                  repair_tiles<Fp16, kWidth, false, false>(sp, tp);
                 }
               });
   REQUIRE(counter == static_cast<unsigned long long>(listed[0] + listed[1]));

@@ -113,6 +113,7 @@ struct Case {
   int masked_rows = 0;       // rows with every key hidden (needs a row bias)
   bool nan_lse_row = false;  // one row gets lse NaN: must stay untouched
   int stages = 0;            // 0: as on an H200 (tile_stages)
+  int cluster = 1;           // blocks per cluster (kClusterBlocks: split tiles)
 };
 
 // H200: 228 KB of shared memory per SM, 1 KB reserved per block.
@@ -144,15 +145,19 @@ void walk_run(int64_t b, int64_t grid, int64_t n_items, int64_t tiles, CountOf c
 
 // The tiles of work an emulated launch recomputed (emu::tile_trace) against
 // the heads' affected rows: each tile j of a head's work_tiles(count) once,
-// with min(64, count - 64 j) rows, by the block whose run holds its item.
-// (A tile recomputed twice writes the same values: dQ cannot show it.)
+// with min(64, count - 64 j) rows, by a block of the cluster whose run holds
+// its item (`grid` clusters of `cluster` blocks); a tile split across the
+// cluster (parts[head] blocks, the head's only tile) once by each of its
+// blocks. (A tile recomputed twice writes the same values: dQ cannot show it.)
 void check_tile_trace(const std::vector<emu::TileRecord>& trace,
-                      const std::vector<int64_t>& affected, int64_t tiles, int64_t grid) {
+                      const std::vector<int64_t>& affected, int64_t tiles, int64_t grid,
+                      int cluster, const std::vector<int>& parts) {
   const int64_t heads = static_cast<int64_t>(affected.size()), n_items = heads * tiles;
   std::vector<std::vector<int>> times(heads);  // [head][j]: how often tile j was recomputed
   for (int64_t head = 0; head < heads; ++head) times[head].assign(work_tiles(affected[head]), 0);
   std::vector<int64_t> recorded(heads, 0);
-  long stray = 0, wrong_rows = 0, wrong_block = 0;
+  long stray = 0, wrong_rows = 0, wrong_block = 0, wrong_parts = 0;
+  std::vector<unsigned> split_ranks(heads, 0u);  // [head]: ranks that took a share of its tile
   for (const emu::TileRecord& t : trace) {
     if (t.head < 0 || t.head >= heads) {
       ++stray;
@@ -166,20 +171,27 @@ void check_tile_trace(const std::vector<emu::TileRecord>& trace,
     }
     ++times[t.head][t.work];
     wrong_rows += t.n_rows != std::min<int64_t>(kTileRows, count - t.work * kTileRows);
+    wrong_parts += t.parts != parts[t.head];
+    if (t.parts > 1) split_ranks[t.head] |= 1u << (t.block % cluster);
     const int64_t item = t.head * tiles + t.work * work_stride(n_work, tiles);
-    const int64_t block = t.block;
-    wrong_block += item < block * n_items / grid || item >= (block + 1) * n_items / grid;
+    const int64_t unit = t.block / cluster;
+    wrong_block += item < unit * n_items / grid || item >= (unit + 1) * n_items / grid;
   }
+  EXPECT(wrong_parts == 0, "%ld tiles split other than the rule says", wrong_parts);
   EXPECT(stray == 0, "%ld tiles recomputed outside a head's tiles of work", stray);
   EXPECT(wrong_rows == 0, "%ld tiles recomputed with a wrong number of rows", wrong_rows);
   EXPECT(wrong_block == 0, "%ld tiles recomputed by a block whose run lacks their item",
          wrong_block);
   for (int64_t head = 0; head < heads; ++head) {
-    const auto once = std::count(times[head].begin(), times[head].end(), 1);
-    EXPECT(recorded[head] == work_tiles(affected[head]) &&
+    const int n = parts[head];
+    const auto once = std::count(times[head].begin(), times[head].end(), n);
+    EXPECT(recorded[head] == n * work_tiles(affected[head]) &&
                once == static_cast<long>(times[head].size()),
-           "head %" PRId64 ", %" PRId64 " rows: %" PRId64 " tiles recomputed, %ld of its %zu once",
-           head, affected[head], recorded[head], static_cast<long>(once), times[head].size());
+           "head %" PRId64 ", %" PRId64 " rows: %" PRId64 " tiles recomputed, %ld of its %zu %d times",
+           head, affected[head], recorded[head], static_cast<long>(once), times[head].size(), n);
+    if (n > 1)
+      EXPECT(split_ranks[head] == (1u << n) - 1u, "head %" PRId64 ": split among ranks %x", head,
+             split_ranks[head]);
   }
 }
 
@@ -360,21 +372,31 @@ void run_case(const Case<Elt>& c, bool wgmma) {
                                           kH200Reserved);
   // Fewer blocks than heads where the case has few slots: a block's run then
   // spans heads, and heads span blocks.
-  const int64_t grid = tile_grid_size(tp.n_items, c.slots);
+  const int64_t units = tile_grid_size(tp.n_items, c.slots);
+  const int64_t grid = units * c.cluster;
   const int smem = TileSmem{width, has_bias, tp.stages}.total();
   INFO("width " << width << ", stages " << tp.stages << ", grid " << grid << ", vec " << tp.vec
                 << ", bias_vec " << tp.bias_vec << ", rows to recompute " << expected_count);
   const emu::Stats before = emu::stats;
+  auto run = [&](auto cluster) {
+    constexpr bool kCluster = decltype(cluster)::value;
+    if (width == 64 && wgmma) repair_tiles<Elt, 64, true, kCluster>(sp, tp);
+    if (width == 64 && !wgmma) repair_tiles<Elt, 64, false, kCluster>(sp, tp);
+    if (width == 128 && wgmma) repair_tiles<Elt, 128, true, kCluster>(sp, tp);
+    if (width == 128 && !wgmma) repair_tiles<Elt, 128, false, kCluster>(sp, tp);
+    if (width == 256) repair_tiles<Elt, 256, false, kCluster>(sp, tp);
+  };
   auto body = [&] {
-    if (width == 64 && wgmma) repair_tiles<Elt, 64, true>(sp, tp);
-    if (width == 64 && !wgmma) repair_tiles<Elt, 64, false>(sp, tp);
-    if (width == 128 && wgmma) repair_tiles<Elt, 128, true>(sp, tp);
-    if (width == 128 && !wgmma) repair_tiles<Elt, 128, false>(sp, tp);
-    if (width == 256) repair_tiles<Elt, 256, false>(sp, tp);
+    if (c.cluster > 1) {
+      run(std::true_type{});
+    } else {
+      run(std::false_type{});
+    }
   };
   emu::tile_trace.clear();
   emu::l2_prefetches.clear();
-  emu::launch(static_cast<unsigned>(grid), kTileThreads, smem, body);
+  emu::launch(static_cast<unsigned>(grid), kTileThreads, smem, body,
+              static_cast<unsigned>(c.cluster));
   // L2 prefetches: every 128-byte line of the logsumexp (each block its
   // run's heads, ahead of the walks), at addresses inside it.
   {
@@ -399,7 +421,23 @@ void run_case(const Case<Elt>& c, bool wgmma) {
       EXPECT(affected[head] == c.rows_per_head, "head %zu: %" PRId64 " rows to recompute", head,
              affected[head]);
   }
-  check_tile_trace(emu::tile_trace, affected, tp.tiles_per_head, grid);
+  // Split tiles, by the rule stated here: a cluster, bf16, the head's only
+  // tile narrow, and kSplitMinKeyBlocks key blocks or more below its last
+  // row's limit.
+  std::vector<int> parts(affected.size(), 1);
+  for (int b = 0; b < B; ++b) {
+    for (int h = 0; h < H; ++h) {
+      const size_t head = static_cast<size_t>(b) * H + h;
+      int last = -1;
+      for (int i = 0; i < SQ; ++i)
+        if (kind[head * SQ + i] == 1) last = i;
+      const int keys = c.causal ? std::min(SK, last + 1) : SK;
+      if (c.cluster > 1 && !kFp16 && affected[head] > 0 && affected[head] <= kNarrowRows &&
+          (keys + kKeyBlock - 1) / kKeyBlock >= kSplitMinKeyBlocks)
+        parts[head] = c.cluster;
+    }
+  }
+  check_tile_trace(emu::tile_trace, affected, tp.tiles_per_head, units, c.cluster, parts);
   // The path under test ran: wgmma for the key blocks of every wide tile (in
   // parts of 8 kNT keys, each 2 x head_dim / 16 wgmma for Q K^T and dO V^T
   // and kNT / 2 for dS K), mma.sync for everything else.
@@ -427,9 +465,13 @@ void run_case(const Case<Elt>& c, bool wgmma) {
     long expected_copies = 0;
     for (const emu::TileRecord& t : emu::tile_trace) {
       const int used = tile_rows_loaded(t.n_rows);
+      // A split tile's blocks each load their share of the key blocks.
+      const int64_t share = t.parts > 1 ? key_blocks * (t.block % t.parts + 1) / t.parts -
+                                              key_blocks * (t.block % t.parts) / t.parts
+                                        : key_blocks;
       expected_copies += 2L * used * (width / 8) +
-                         key_blocks * (2L * kKeyBlock * (width / 8) +
-                                       (has_bias ? used * (kKeyBlock / 8) : 0));
+                         share * (2L * kKeyBlock * (width / 8) +
+                                  (has_bias ? used * (kKeyBlock / 8) : 0));
     }
     EXPECT(static_cast<long>(emu::stats.cp_async - before.cp_async) == expected_copies,
           "%ld cp.async, expected %ld", static_cast<long>(emu::stats.cp_async - before.cp_async),
@@ -612,6 +654,32 @@ void layout_checks() {
   EXPECT(!lse_vectorizable(lse, 1, 2, 5, 6, 1), "two heads 6 rows apart");
   EXPECT(!lse_vectorizable(lse + 1, 1, 1, 4, 4, 1), "misaligned start");
   EXPECT(!lse_vectorizable(lse, 1, 1, 4, 4, 2), "strided rows");
+  // Clusters: where keys are longer than one key block and the device has
+  // them; a split's key ranges cover the tile's key blocks once, in order,
+  // each block at least one; only the head's only, narrow, long tile, bf16.
+  // Clusters where they can pay: two tiles a head or keys to split, keys
+  // longer than one key block, and a device that has them.
+  EXPECT(launch_cluster(704, 11, 132) == kClusterBlocks, "704x704");
+  EXPECT(launch_cluster(65, 2, 132) == kClusterBlocks, "65 keys, two tiles a head");
+  EXPECT(launch_cluster(64, 6, 132) == 1, "one key block (360x64)");
+  EXPECT(launch_cluster(200, 1, 132) == 1, "one tile a head, short keys (32x200)");
+  EXPECT(launch_cluster(64 * kSplitMinKeyBlocks, 1, 132) == kClusterBlocks, "keys to split");
+  EXPECT(launch_cluster(4032, 63, 0) == 1, "no clusters on the device");
+  for (int n = kSplitMinKeyBlocks; n < 70; ++n) {
+    int next = 0;
+    for (int r = 0; r < kClusterBlocks; ++r) {
+      const KeyRange k = split_keys(n, r, kClusterBlocks);
+      EXPECT(k.begin == next && k.end > k.begin, "n %d rank %d: [%d, %d)", n, r, k.begin, k.end);
+      next = k.end;
+    }
+    EXPECT(next == n, "n %d: the ranges end at %d", n, next);
+  }
+  EXPECT(split_tile(2, false, 1, kSplitMinKeyBlocks), "one row, long keys");
+  EXPECT(split_tile(2, false, kNarrowRows, 63), "a full narrow tile");
+  EXPECT(!split_tile(2, false, kNarrowRows + 1, 63), "a wide tile");
+  EXPECT(!split_tile(2, false, 1, kSplitMinKeyBlocks - 1), "short keys");
+  EXPECT(!split_tile(2, true, 1, 63), "centred keys");
+  EXPECT(!split_tile(1, false, 1, 63), "no cluster");
 }
 
 // work_range, which picks the tiles of work a block recomputes, against a
@@ -849,8 +917,10 @@ void walk_checks(int head_dim, bool dq_vec) {
       if (call.op == WalkOp::kGather)
         n = walk_rows(sp, pos, cursor, call.lo, call.hi, call.hi, s_row, s_lse2, false,
                       warp_sums);
-      if (call.op == WalkOp::kOwnerCount || call.op == WalkOp::kOtherCount)
-        n = count_head(sp, pos, call.op == WalkOp::kOwnerCount, s_row, s_lse2, warp_sums);
+      if (call.op == WalkOp::kOwnerCount || call.op == WalkOp::kOtherCount) {
+        const bool owner = call.op == WalkOp::kOwnerCount;
+        n = count_head(sp, pos, owner, owner, s_row, s_lse2, warp_sums);
+      }
       res.by_thread[tid] = {n, cursor.row, cursor.rank};
       __syncthreads();
       if (tid == 0) {
@@ -954,6 +1024,65 @@ TEST_CASE("repair row walk emulated on the CPU: ranks, resumed cursors, -inf row
           "[repair][emulated]") {
   SECTION("head_dim 64, 16-byte dQ rows") { walk_checks(64, true); }
   SECTION("head_dim 20, scalar dQ stores") { walk_checks(20, false); }
+}
+
+// probe_heads alone, in one emulated block: 2 x 37 heads of s_q rows, each
+// head's logsumexp followed by padding rows below the threshold (read as
+// rows, they would flag the head). Heads by k % 5: ordinary rows with NaN,
+// +inf and at-threshold rows among them (not flagged); one affected row at
+// a random place; one -inf row, the head's last; every row affected; no row
+// at all of interest but the padding. Windows of the run from several first
+// heads, across the batch boundary and past kProbeHeads.
+void probe_checks(int s_q, int pad) {
+  constexpr int B = 2, H = 37;
+  const int pitch = s_q + pad;
+  std::vector<float> lse(static_cast<size_t>(B) * H * pitch + 4, 0.0f);
+  std::mt19937 rng(s_q * 7 + pad);
+  std::vector<bool> want(B * H, false);
+  for (int head = 0; head < B * H; ++head) {
+    float* l = lse.data() + static_cast<size_t>(head) * pitch;
+    for (int i = 0; i < pitch; ++i) l[i] = i < s_q ? -1.0f - static_cast<float>(i % 7) : -100.0f;
+    switch (head % 5) {
+      case 0:
+        l[rng() % s_q] = NAN;
+        l[rng() % s_q] = INFINITY;
+        l[rng() % s_q] = kTestLseThreshold;
+        break;
+      case 1: l[rng() % s_q] = -100.0f, want[head] = true; break;
+      case 2: l[s_q - 1] = -INFINITY, want[head] = true; break;
+      case 3:
+        for (int i = 0; i < s_q; ++i) l[i] = -90.0f;
+        want[head] = true;
+        break;
+      default: break;
+    }
+  }
+  ScanParams sp = scan_params(lse.data(), B, H, s_q, nullptr, RowStrides{0, 0, 0}, 8, false,
+                              nullptr);
+  sp.lse_b = static_cast<int64_t>(H) * pitch;
+  sp.lse_h = pitch;
+  sp.lse_vec = lse_vectorizable(sp.lse, B, H, sp.lse_b, sp.lse_h, sp.lse_s);
+  for (const auto& [first, n] : std::vector<std::pair<int, int>>{
+           {0, 74}, {5, 3}, {33, 10}, {1, 1}, {70, 4}}) {
+    std::vector<uint64_t> masks(kScanThreads, 0);
+    emu::launch(1, kScanThreads, 1024, [&] {
+      auto* words = reinterpret_cast<uint64_t*>(smem_base());
+      masks[threadIdx.x] = probe_heads(sp, head_pos(first, H), n, words);
+    });
+    long wrong = 0;
+    for (int k = 0; k < n; ++k) wrong += probed(masks[0], k) != (k >= kProbeHeads || want[first + k]);
+    EXPECT(std::count(masks.begin(), masks.end(), masks[0]) == kScanThreads,
+           "heads %d..%d: the threads' masks differ", first, first + n - 1);
+    EXPECT(wrong == 0, "s_q %d, pad %d, vec %d, heads %d..%d: %ld heads probed wrong", s_q, pad,
+           sp.lse_vec, first, first + n - 1, wrong);
+  }
+}
+
+TEST_CASE("repair head probe emulated on the CPU: which heads of a run have rows",
+          "[repair][emulated]") {
+  SECTION("130 rows, float4 loads") { probe_checks(130, 6); }
+  SECTION("1300 rows (3 rounds), float loads") { probe_checks(1300, 5); }
+  SECTION("2052 rows (5 rounds: a batch of 4 and one), float4 loads") { probe_checks(2052, 4); }
 }
 
 TEST_CASE("repair kernels emulated on the CPU", "[repair][emulated]") {
@@ -1096,6 +1225,52 @@ TEST_CASE("repair kernels emulated on the CPU", "[repair][emulated]") {
     c.D = 72, c.s_q = 200, c.s_kv = 100, c.rows_per_head = 70, c.slots = 1;
     c.bias = Case<Bf16>::kFull;
     bf.push_back(c);
+    // Clusters of two blocks (sm_90): a head's only tile, narrow and at
+    // least kSplitMinKeyBlocks (24) key blocks long, split between them by
+    // keys (25 key blocks: 12 and 13); every other tile to one block in
+    // turn. Runs across heads (3 heads on 2 clusters), causal rows whose
+    // keys end one key block short of a split and right at it, 2 stages (the
+    // sums land in the pipeline's second stage), head_dim 256 (Q and dO from
+    // shared memory), a full bias, and runs mixing split and whole tiles.
+    c = Case<Bf16>();
+    c.name = "bf16 d128 one row per head 40x1540, clusters of 2: split 12 + 13 key blocks";
+    c.D = 128, c.H = 3, c.Hkv = 3, c.s_q = 40, c.s_kv = 1540, c.share = -1, c.slots = 2;
+    c.cluster = 2;
+    bf.push_back(c);
+    c.name = "bf16 d128 one row per head 40x1540, clusters of 2, 2 stages";
+    c.stages = 2;
+    bf.push_back(c);
+    c.name = "bf16 d128 one row per head 40x300, clusters of 2: 5 key blocks, in turn";
+    c.s_kv = 300, c.stages = 0;
+    bf.push_back(c);
+    c = Case<Bf16>();
+    c.name = "bf16 d64 rows 1460..1469 of 1470x1470 causal, clusters of 2: 23 key blocks, whole";
+    c.H = 2, c.Hkv = 2, c.s_q = 1470, c.s_kv = 1470, c.causal = true, c.share = 1.0;
+    c.first_affected = 1460, c.slots = 2, c.cluster = 2;
+    bf.push_back(c);
+    c.name = "bf16 d64 rows 1526..1535 of 1536x1536 causal, clusters of 2: 24 key blocks, split";
+    c.s_q = 1536, c.s_kv = 1536, c.first_affected = 1526;
+    bf.push_back(c);
+    c = Case<Bf16>();
+    c.name = "bf16 d72 padded 200x100, 10 rows per head, full bias, clusters of 2: in turn";
+    c.D = 72, c.s_q = 200, c.s_kv = 100, c.rows_per_head = 10, c.layout = Layout::kPadded;
+    c.bias = Case<Bf16>::kFull, c.slots = 1, c.cluster = 2;
+    bf.push_back(c);
+    c = Case<Bf16>();
+    c.name = "bf16 d256 40x1540, one row per head, full bias, clusters of 2: split, Q from smem";
+    c.D = 256, c.s_q = 40, c.s_kv = 1540, c.share = -1, c.bias = Case<Bf16>::kFull;
+    c.H = 2, c.Hkv = 2, c.slots = 1, c.cluster = 2;
+    bf.push_back(c);
+    c = Case<Bf16>();
+    c.name = "bf16 d64 share 0.05 300x1540, clusters of 2: split and whole tiles in a run";
+    c.H = 5, c.Hkv = 5, c.s_q = 300, c.s_kv = 1540, c.share = 0.05, c.slots = 3, c.cluster = 2;
+    c.bias = Case<Bf16>::kRows, c.masked_rows = 2;
+    bf.push_back(c);
+    c = Case<Bf16>();
+    c.name = "bf16 d64 448x40, 150 rows per head, clusters of 2: whole tiles in turn";
+    c.H = 2, c.Hkv = 2, c.s_q = 448, c.s_kv = 40, c.rows_per_head = 150, c.slots = 2;
+    c.cluster = 2;
+    bf.push_back(c);
     Case<Fp16> f;
     // 2 tiles of work (100 rows) at tiles 0 and 3, runs of 3 and 4 items.
     f.name = "fp16 d64 448x40, 100 rows per head: 2 tiles of work of 7";
@@ -1131,6 +1306,12 @@ TEST_CASE("repair kernels emulated on the CPU", "[repair][emulated]") {
     f = Case<Fp16>();
     f.name = "fp16 d120 80x70, 16 rows per head, one block: narrow at its largest";
     f.D = 120, f.s_q = 80, f.s_kv = 70, f.rows_per_head = 16, f.slots = 1;
+    fp.push_back(f);
+    // Centred keys take one mean: fp16 tiles are never split, and a cluster
+    // takes them in turn.
+    f = Case<Fp16>();
+    f.name = "fp16 d64 one row per head 50x1540, clusters of 2: whole tiles in turn";
+    f.H = 3, f.Hkv = 3, f.s_q = 50, f.s_kv = 1540, f.share = -1, f.slots = 2, f.cluster = 2;
     fp.push_back(f);
   }
   for (const bool drift : {false, true}) {
