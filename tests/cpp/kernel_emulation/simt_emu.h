@@ -17,6 +17,11 @@
 // earlier shows). A wgmma fails when no wgmma.fence came since the thread's
 // last wait, or when it reads bytes a cp.async landed that the writing thread
 // has not yet passed fence.proxy.async for.
+// A thread-block cluster (sm_90) runs its blocks' fibers together:
+// barrier.cluster.arrive / .wait is a barrier over all of them (a thread
+// that arrives twice, waits without arriving or ends arrived fails), and
+// mapa maps an address of this block's shared memory into another block's.
+// Clusters run one after another, as single blocks do.
 // OPENWAM_REPAIR_TRACE_TILE records each tile of work in emu::tile_trace and
 // fills the shared memory past the header with 0xff again, so that any tile
 // (not only a block's first) that reads rows it never loaded shows.
