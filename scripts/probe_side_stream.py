@@ -11,7 +11,10 @@ stream (the landed plan), and the repair on a side stream beside the
 backward, launched before it or after it, its rows written to a scratch
 dQ. It prints the time each adds to the backward, median [min..max] over
 the rounds. The scatter the side stream would need after the backward is
-not in these figures.
+not in these figures. `read_kv` is the backward then a plain read of all
+of K and V (torch.sum of each): the DRAM traffic that a repair of one
+affected row in every head cannot avoid, after a backward that leaves
+other data in L2 (BENCHMARKS.md, run L5).
 
 --host-cost prints instead what such a plan would add to the host's time
 per backward (BENCHMARKS.md's run J6): a fork and a join (two event
@@ -43,7 +46,7 @@ from stack import headline, import_openwam, stack_info  # noqa: E402
 # issue 12's shapes with one affected row per head above 1.05x (run I4).
 CELLS = [(32, 24, 360, 64, "bool", 128), (32, 24, 360, 64, "bool", 64),
          (16, 24, 704, 704, "none", 128), (16, 24, 704, 704, "none", 64)]
-VARIANTS = ("sequential", "side_first", "bwd_first")
+VARIANTS = ("sequential", "side_first", "bwd_first", "read_kv")
 
 
 class Contender:
@@ -92,8 +95,13 @@ def probe_cell(ops, side, cell, share, rounds, repeats):
             return grads
         return run
 
+    def read_kv(_):
+        grads = backward()
+        return grads, k.sum(), v.sum()
+
     steps = {"stock": lambda _: backward(), "sequential": sequential,
-             "side_first": beside("side"), "bwd_first": beside("backward")}
+             "side_first": beside("side"), "bwd_first": beside("backward"),
+             "read_kv": read_kv}
     runs = timing.paired_rounds(
         [Contender(n) for n in steps],
         lambda c: {"ms": timing.device_ms(steps[c.name], warmup=3, repeats=repeats)["median_ms"]},
