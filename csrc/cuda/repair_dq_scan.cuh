@@ -74,6 +74,22 @@ __device__ __forceinline__ void zero_row(uint16_t* row, int head_dim, bool vec, 
   }
 }
 
+// A thread's kScanRowsPerThread consecutive rows of a head's logsumexp from
+// `src`, the first `left` of them (`fill` past those): one float4 where the
+// rows are contiguous and all there (lse_vec), else a load per row.
+__device__ __forceinline__ void load_lse_rows(const ScanParams& p, const float* src, int left,
+                                              float fill, float (&l)[kScanRowsPerThread]) {
+  static_assert(kScanRowsPerThread == 4, "one float4 per thread");
+  if (p.lse_vec && left == kScanRowsPerThread) {
+    OPENWAM_REPAIR_CHECK_ALIGNED(src, 16);
+    const float4 v = *reinterpret_cast<const float4*>(src);
+    l[0] = v.x, l[1] = v.y, l[2] = v.z, l[3] = v.w;
+  } else {
+#pragma unroll
+    for (int k = 0; k < kScanRowsPerThread; ++k) l[k] = k < left ? src[k * p.lse_s] : fill;
+  }
+}
+
 // One walk over the head at `pos` from `cursor`, round by round, until the round
 // in which rank `stop` is reached (or the head ends: stop = INT32_MAX). Rows
 // of rank lo .. hi - 1 go to s_row[rank - lo] (query row) and
@@ -100,17 +116,8 @@ __device__ __forceinline__ int walk_rows(const ScanParams& p, HeadPos pos, RowCu
     const int64_t row0 = first + static_cast<int64_t>(tid) * kScanRowsPerThread;
     const int left = static_cast<int>(cmax<int64_t>(
         0, cmin<int64_t>(kScanRowsPerThread, p.s_q - row0)));  // rows of mine below s_q
-    const float* src = lse + row0 * p.lse_s;
     float l[kScanRowsPerThread];
-    static_assert(kScanRowsPerThread == 4, "one float4 per thread");
-    if (p.lse_vec && left == kScanRowsPerThread) {
-      OPENWAM_REPAIR_CHECK_ALIGNED(src, 16);
-      const float4 v = *reinterpret_cast<const float4*>(src);
-      l[0] = v.x, l[1] = v.y, l[2] = v.z, l[3] = v.w;
-    } else {
-#pragma unroll
-      for (int k = 0; k < kScanRowsPerThread; ++k) l[k] = k < left ? src[k * p.lse_s] : 0.0f;
-    }
+    load_lse_rows(p, lse + row0 * p.lse_s, left, 0.0f, l);
     bool low[kScanRowsPerThread], empty[kScanRowsPerThread];
     int mine = 0;
 #pragma unroll
@@ -234,16 +241,7 @@ __device__ __forceinline__ uint64_t probe_heads(const ScanParams& p, HeadPos pos
       const int left = k < n ? static_cast<int>(cmax<int64_t>(
                                    0, cmin<int64_t>(kScanRowsPerThread, p.s_q - row0)))
                              : 0;
-      const float* src = lse + row0 * p.lse_s;
-      if (p.lse_vec && left == kScanRowsPerThread) {
-        OPENWAM_REPAIR_CHECK_ALIGNED(src, 16);
-        const float4 v = *reinterpret_cast<const float4*>(src);
-        l[u][0] = v.x, l[u][1] = v.y, l[u][2] = v.z, l[u][3] = v.w;
-      } else {
-#pragma unroll
-        for (int r = 0; r < kScanRowsPerThread; ++r)
-          l[u][r] = r < left ? src[r * p.lse_s] : INFINITY;  // past s_q: no row
-      }
+      load_lse_rows(p, lse + row0 * p.lse_s, left, INFINITY, l[u]);  // past s_q: no row
       // The next round, or the next head's first.
       row0 += kRowsPerRound;
       if (row0 - static_cast<int64_t>(tid) * kScanRowsPerThread >= p.s_q && k < n) {

@@ -156,6 +156,13 @@ __device__ __forceinline__ void mean_of_keys(float* key_mean, const unsigned cha
   }
 }
 
+__device__ __forceinline__ void add4(float4& a, const float4& b) {
+  a.x += b.x;
+  a.y += b.y;
+  a.z += b.z;
+  a.w += b.w;
+}
+
 // Key blocks a tile whose last (largest) row is `last_row` walks.
 __device__ __forceinline__ int tile_key_blocks(const TileParams& p, int last_row) {
   const int kv_end = p.causal ? cmin(p.s_kv, last_row + 1) : p.s_kv;
@@ -502,10 +509,7 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
 #pragma unroll
       for (int w = 1; w < 4; ++w) {
         const float4 v = partial[(w * Shape::kDTiles + j) * 32 + lane];
-        sum[jj].x += v.x;
-        sum[jj].y += v.y;
-        sum[jj].z += v.z;
-        sum[jj].w += v.w;
+        add4(sum[jj], v);
       }
     }
     if (split) {
@@ -523,10 +527,7 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
 #pragma unroll
         for (int jj = 0; jj < kPerWarp; ++jj) {
           const float4 v = shared_sums[(warp * kPerWarp + jj) * 32 + lane];
-          sum[jj].x += v.x;
-          sum[jj].y += v.y;
-          sum[jj].z += v.z;
-          sum[jj].w += v.w;
+          add4(sum[jj], v);
         }
       }
     }
