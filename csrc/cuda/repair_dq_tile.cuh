@@ -156,6 +156,7 @@ __device__ __forceinline__ void mean_of_keys(float* key_mean, const unsigned cha
   }
 }
 
+// a += b, lane by lane: the narrow tile's partial dQ sums (repair_tile).
 __device__ __forceinline__ void add4(float4& a, const float4& b) {
   a.x += b.x;
   a.y += b.y;
