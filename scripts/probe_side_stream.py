@@ -14,7 +14,10 @@ the rounds. The scatter the side stream would need after the backward is
 not in these figures. `read_kv` is the backward then a plain read of all
 of K and V (torch.sum of each): the DRAM traffic that a repair of one
 affected row in every head cannot avoid, after a backward that leaves
-other data in L2 (BENCHMARKS.md, run L5).
+other data in L2 (BENCHMARKS.md, run L5). With --floor, `read_fast` is the
+same read as one kernel of 16-byte loads (built on the spot, as
+--host-cost's), the other variants left out but `sequential` and
+`read_kv`, one affected row per head only (run L7).
 
 --host-cost prints instead what such a plan would add to the host's time
 per backward (BENCHMARKS.md's run J6): a fork and a join (two event
@@ -24,6 +27,7 @@ calls while a sleep kernel holds the GPU, so that nothing waits for it.
 
     python scripts/probe_side_stream.py [--rounds 5] [--repeats 30]
     python scripts/probe_side_stream.py --host-cost [--rounds 5]
+    python scripts/probe_side_stream.py --floor [--rounds 5]
 
 About a minute on one H200; CUDA only (--host-cost also nvcc and ninja).
 """
@@ -57,7 +61,7 @@ class Contender:
         return contextlib.nullcontext()
 
 
-def probe_cell(ops, side, cell, share, rounds, repeats):
+def probe_cell(ops, side, cell, share, rounds, repeats, variants=VARIANTS, ext=None):
     from openwam_sdpa.adversarial import adversarial_inputs
 
     B, H, s_q, s_kv, mask, D = cell
@@ -99,23 +103,28 @@ def probe_cell(ops, side, cell, share, rounds, repeats):
         grads = backward()
         return grads, k.sum(), v.sum()
 
+    def read_fast(_):
+        grads = backward()
+        return grads, ext.read_bytes(k, v)
+
     steps = {"stock": lambda _: backward(), "sequential": sequential,
              "side_first": beside("side"), "bwd_first": beside("backward"),
-             "read_kv": read_kv}
+             "read_kv": read_kv, "read_fast": read_fast}
+    steps = {n: f for n, f in steps.items() if n == "stock" or n in variants}
     runs = timing.paired_rounds(
         [Contender(n) for n in steps],
         lambda c: {"ms": timing.device_ms(steps[c.name], warmup=3, repeats=repeats)["median_ms"]},
         rounds)
     line = (f"B{B} H{H} D{D} {s_q}x{s_kv} {mask:4s} {share:12s} "
             f"stock bwd {timing.percentile(runs['stock']['ms'], 50):.4f} ms")
-    for name in VARIANTS:
+    for name in variants:
         added = timing.round_deltas(runs, name, "stock", "ms")  # ms
         line += (f" | {name} +{added['median'] * 1e3:5.1f} us "
                  f"[{added['min'] * 1e3:.1f}..{added['max'] * 1e3:.1f}]")
     return line
 
 
-HOST_COST_SOURCE = r"""
+EXTENSION_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <chrono>
@@ -160,15 +169,55 @@ std::vector<double> host_cost(int n) {
   cudaEventDestroy(join);
   return out;
 }
+
+// Every 16 bytes of p[0 .. n) read once, grid-stride, 4 loads in flight per
+// thread, folded into x.
+__device__ void read_all(const uint4* p, int64_t n, unsigned& x) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (; i + 3 * step < n; i += 4 * step) {
+    const uint4 v0 = p[i], v1 = p[i + step], v2 = p[i + 2 * step], v3 = p[i + 3 * step];
+    x ^= v0.x ^ v0.y ^ v0.z ^ v0.w ^ v1.x ^ v1.y ^ v1.z ^ v1.w;
+    x ^= v2.x ^ v2.y ^ v2.z ^ v2.w ^ v3.x ^ v3.y ^ v3.z ^ v3.w;
+  }
+  for (; i < n; i += step) x ^= p[i].x ^ p[i].y ^ p[i].z ^ p[i].w;
+}
+
+// a and b read once; the XOR kept so that the loads stay (written only if
+// it is one given value).
+__global__ void read_kernel(const uint4* a, int64_t na, const uint4* b, int64_t nb, unsigned* out) {
+  unsigned x = 0;
+  read_all(a, na, x);
+  read_all(b, nb, x);
+  if (x == 0x9e3779b9u) out[blockIdx.x] = x;
+}
+
+// The storage under a and b (dense views, 16-byte multiples), read once.
+at::Tensor read_bytes(at::Tensor a, at::Tensor b) {
+  const auto bytes = [](const at::Tensor& t) { return t.numel() * t.element_size(); };
+  TORCH_CHECK(bytes(a) % 16 == 0 && bytes(b) % 16 == 0, "read_bytes: 16-byte multiples");
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  at::Tensor out = at::empty({4 * sms}, a.options().dtype(at::kInt));
+  read_kernel<<<4 * sms, 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+      static_cast<const uint4*>(a.data_ptr()), bytes(a) / 16,
+      static_cast<const uint4*>(b.data_ptr()), bytes(b) / 16,
+      reinterpret_cast<unsigned*>(out.data_ptr()));
+  return out;
+}
 """
 
 
-def host_cost(rounds):
+def extension():
     from torch.utils.cpp_extension import load_inline
 
-    ext = load_inline("probe_side_stream_host_cost",
-                      cpp_sources="std::vector<double> host_cost(int n);",
-                      cuda_sources=HOST_COST_SOURCE, functions=["host_cost"])
+    return load_inline("probe_side_stream_ext",
+                       cpp_sources="std::vector<double> host_cost(int n);\n"
+                                   "at::Tensor read_bytes(at::Tensor a, at::Tensor b);",
+                       cuda_sources=EXTENSION_SOURCE, functions=["host_cost", "read_bytes"])
+
+
+def host_cost(rounds):
+    ext = extension()
     for r in range(rounds + 1):  # round 0 warms the allocator and the launch path up
         torch.cuda._sleep(int(2e9))  # about a second: the 600 calls never wait for the GPU
         fork_join, launch, workspace = ext.host_cost(200)
@@ -184,6 +233,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--host-cost", action="store_true",
                     help="the host time a side-stream plan would add per backward, instead")
+    ap.add_argument("--floor", action="store_true",
+                    help="one row per head: the repair against plain reads of K and V only")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("probe_side_stream.py: needs a CUDA device")
@@ -195,6 +246,13 @@ def main():
     if ow is None:
         raise SystemExit(f"probe_side_stream.py: cannot import openwam_sdpa: {error}")
     side = torch.cuda.Stream()
+    if args.floor:
+        ext = extension()
+        for cell in CELLS:
+            print(probe_cell(torch.ops.openwam, side, cell, "one_per_head", args.rounds,
+                             args.repeats, ("sequential", "read_kv", "read_fast"), ext),
+                  flush=True)
+        return
     for cell in CELLS:
         for share in ("none", "one_per_head"):
             print(probe_cell(torch.ops.openwam, side, cell, share, args.rounds, args.repeats),
