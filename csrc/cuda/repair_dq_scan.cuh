@@ -74,6 +74,11 @@ __device__ __forceinline__ void zero_row(uint16_t* row, int head_dim, bool vec, 
   }
 }
 
+// The logsumexp row of the head at `pos`.
+__device__ __forceinline__ const float* head_lse(const ScanParams& p, HeadPos pos) {
+  return p.lse + pos.b * p.lse_b + pos.h * p.lse_h;
+}
+
 // A thread's kScanRowsPerThread consecutive rows of a head's logsumexp from
 // `src`, the first `left` of them (`fill` past those): one float4 where the
 // rows are contiguous and all there (lse_vec), else a load per row.
@@ -108,7 +113,7 @@ __device__ __forceinline__ int walk_rows(const ScanParams& p, HeadPos pos, RowCu
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const float* lse = p.lse + pos.b * p.lse_b + pos.h * p.lse_h;
+  const float* lse = head_lse(p, pos);
   uint16_t* dq = p.dq + pos.b * p.dq_b + pos.h * p.dq_h;
 
   int seen = 0;  // affected rows from the cursor's rank on
@@ -192,7 +197,7 @@ __device__ __forceinline__ int walk_rows(const ScanParams& p, HeadPos pos, RowCu
 __device__ __forceinline__ void prefetch_lse(const ScanParams& p, HeadPos pos, int64_t n_heads) {
   if (p.lse_s != 1 || p.s_q == 0) return;
   for (int64_t k = 0; k < n_heads; ++k) {
-    const float* lse = p.lse + pos.b * p.lse_b + pos.h * p.lse_h;
+    const float* lse = head_lse(p, pos);
     const uintptr_t start = reinterpret_cast<uintptr_t>(lse);
     const uintptr_t last = reinterpret_cast<uintptr_t>(lse + (p.s_q - 1));
     // Lines from the one holding the head's first row; addresses within the rows.
@@ -230,7 +235,7 @@ __device__ __forceinline__ uint64_t probe_heads(const ScanParams& p, HeadPos pos
   // The next (head, round) to load, stepped without divisions.
   int k = 0;
   int64_t row0 = static_cast<int64_t>(tid) * kScanRowsPerThread;
-  const float* lse = p.lse + pos.b * p.lse_b + pos.h * p.lse_h;
+  const float* lse = head_lse(p, pos);
   uint64_t mask = 0;
   while (k < n) {
     float l[kBatch][kScanRowsPerThread];
@@ -248,7 +253,7 @@ __device__ __forceinline__ uint64_t probe_heads(const ScanParams& p, HeadPos pos
         row0 = static_cast<int64_t>(tid) * kScanRowsPerThread;
         ++k;
         next_head(pos, static_cast<int>(p.heads));
-        lse = p.lse + pos.b * p.lse_b + pos.h * p.lse_h;
+        lse = head_lse(p, pos);
       }
     }
 #pragma unroll
