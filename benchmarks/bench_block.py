@@ -25,11 +25,9 @@ Writes block.json, block.md and block.png under --out.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -136,20 +134,14 @@ def block_inputs(shape, device, seed):
 # ------------------------------------------------------------------ contenders
 
 
-@dataclass
-class Contender:
-    name: str
-    context: Callable
-
-
 def contenders(ow, ow_error):
     def patched():
         if ow is None:
             raise RuntimeError(f"openwam_sdpa not importable: {ow_error}")
         return ow.patched()
 
-    stock = Contender(BASE, contextlib.nullcontext)
-    return [stock, Contender("openwam", patched), timing.again(stock)]
+    stock = timing.Contender(BASE)
+    return [stock, timing.Contender("openwam", patched), timing.again(stock)]
 
 
 def decisions(ow, block, inputs):

@@ -37,6 +37,7 @@ import dataclasses
 import gc
 import math
 import time
+from typing import Callable
 
 import torch
 
@@ -346,6 +347,15 @@ def peak_mib(fn):
 
 
 # -------------------------------------------------------------- paired rounds
+
+
+@dataclasses.dataclass
+class Contender:
+    """What paired_rounds takes: a name, and a context entered around each
+    of its measurements (contextlib.nullcontext for none)."""
+
+    name: str
+    context: Callable = contextlib.nullcontext
 
 
 def again(contender):

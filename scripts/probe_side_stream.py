@@ -35,7 +35,6 @@ About a minute on one H200; CUDA only (--host-cost also nvcc and ninja).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import sys
 from pathlib import Path
@@ -51,14 +50,6 @@ from stack import headline, import_openwam, stack_info  # noqa: E402
 CELLS = [(32, 24, 360, 64, "bool", 128), (32, 24, 360, 64, "bool", 64),
          (16, 24, 704, 704, "none", 128), (16, 24, 704, 704, "none", 64)]
 VARIANTS = ("sequential", "side_first", "bwd_first", "read_kv")
-
-
-class Contender:
-    def __init__(self, name):
-        self.name = name
-
-    def context(self):
-        return contextlib.nullcontext()
 
 
 def probe_cell(ops, side, cell, share, rounds, repeats, variants=VARIANTS, ext=None):
@@ -112,7 +103,7 @@ def probe_cell(ops, side, cell, share, rounds, repeats, variants=VARIANTS, ext=N
              "read_kv": read_kv, "read_fast": read_fast}
     steps = {n: f for n, f in steps.items() if n == "stock" or n in variants}
     runs = timing.paired_rounds(
-        [Contender(n) for n in steps],
+        [timing.Contender(n) for n in steps],
         lambda c: {"ms": timing.device_ms(steps[c.name], warmup=3, repeats=repeats)["median_ms"]},
         rounds)
     line = (f"B{B} H{H} D{D} {s_q}x{s_kv} {mask:4s} {share:12s} "
