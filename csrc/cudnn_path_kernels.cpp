@@ -256,8 +256,9 @@ void cuda_repair(at::Tensor& dq, const at::Tensor& grad_out, const at::Tensor& q
                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                  const at::Tensor& logsumexp, const at::Tensor& bias, bool is_causal,
                  double scale) {
+  // Called right after cuDNN's backward (backward_with_plan).
   repair_dq_rows(dq, grad_out, q, k, v, out, logsumexp, bias, is_causal, scale,
-                 repaired_rows_counter(q.device()));
+                 repaired_rows_counter(q.device()), /*behind_backward=*/true);
 }
 
 constexpr Engine kCudnnEngine{&cudnn_forward, &cudnn_backward, &cuda_repair};

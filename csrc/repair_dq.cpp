@@ -43,7 +43,8 @@ void repair_dq_cuda(at::Tensor& grad_query, const at::Tensor& grad_out,
                     const at::Tensor& logsumexp, const std::optional<at::Tensor>& bias,
                     bool is_causal, double scale) {
   repair_dq_rows(grad_query, grad_out, query, key, value, out, logsumexp,
-                 bias.value_or(at::Tensor()), is_causal, scale, /*repaired_rows=*/nullptr);
+                 bias.value_or(at::Tensor()), is_causal, scale, /*repaired_rows=*/nullptr,
+                 /*behind_backward=*/false);
 }
 
 // One int64 per device, for the life of the process (a captured kernel holds

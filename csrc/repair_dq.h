@@ -40,10 +40,18 @@ constexpr float kRepairLseThreshold = -40.0f;
 // nullptr: none). Every other row of grad_query is left untouched. One
 // kernel launch, no workspace, no host synchronisation (capturable in a CUDA
 // graph).
+//
+// behind_backward: the call comes right after cuDNN's backward on this
+// stream, which wrote grad_query and none of the other tensors (the op's
+// backward). On sm_90 the kernel may then start before that backward's
+// last kernel has finished, and waits for it only before writing
+// grad_query (a programmatic dependent launch). Otherwise (the standalone
+// op, whose caller's last kernel may have written any input) a plain launch.
 void repair_dq_rows(at::Tensor& grad_query, const at::Tensor& grad_out,
                     const at::Tensor& query, const at::Tensor& key,
                     const at::Tensor& value, const at::Tensor& out,
                     const at::Tensor& logsumexp, const at::Tensor& bias,
-                    bool is_causal, double scale, int64_t* repaired_rows);
+                    bool is_causal, double scale, int64_t* repaired_rows,
+                    bool behind_backward);
 
 }  // namespace openwam

@@ -110,7 +110,7 @@ void check_inputs(const at::Tensor& grad_query, const at::Tensor& grad_out,
 void repair_dq_rows(at::Tensor& grad_query, const at::Tensor& grad_out, const at::Tensor& query,
                     const at::Tensor& key, const at::Tensor& value, const at::Tensor& out,
                     const at::Tensor& logsumexp, const at::Tensor& bias, bool is_causal,
-                    double scale, int64_t* repaired_rows) {
+                    double scale, int64_t* repaired_rows, bool behind_backward) {
   check_inputs(grad_query, grad_out, query, key, value, out, logsumexp, bias);
   const int64_t B = query.size(0), H = query.size(1), s_q = query.size(2);
   const int64_t s_kv = key.size(2);
@@ -185,9 +185,9 @@ void repair_dq_rows(at::Tensor& grad_query, const at::Tensor& grad_out, const at
            rows_aligned(out, 8) && rows_aligned(grad_out, 8);
   tp.dq_pair = rows_aligned(grad_query, 2);
   if (query.scalar_type() == at::kBFloat16) {
-    repair::launch_repair_bf16(sp, tp, device, stream);
+    repair::launch_repair_bf16(sp, tp, device, stream, behind_backward);
   } else {
-    repair::launch_repair_fp16(sp, tp, device, stream);
+    repair::launch_repair_fp16(sp, tp, device, stream, behind_backward);
   }
 }
 

@@ -106,6 +106,20 @@ __device__ __forceinline__ T* cluster_peer(T* p, int rank) {
 #endif
 }
 
+// ------------------------------------------------- programmatic launch
+// The kernel may be launched before the kernel ahead of it in the stream
+// (cuDNN's backward, whose last kernel writes dQ) has finished
+// (launch_repair_width: programmatic stream serialization, sm_90). Every
+// input the repair reads was written before that backward began; dQ is the
+// one tensor it shares with it. So a thread waits here, for the grid ahead
+// to complete and its writes to be visible, before its first write to dQ.
+// Without a programmatic launch (or before sm_90) the wait returns at once.
+__device__ __forceinline__ void wait_for_grid_ahead() {
+#if OPENWAM_REPAIR_SM90
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // ---------------------------------------------------------------- ldmatrix
 // `addr` is a shared-space address (smem_u32): 32-bit address arithmetic
 // keeps the many ldmatrix addresses of a tile in half the registers.

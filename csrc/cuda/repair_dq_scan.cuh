@@ -61,6 +61,7 @@ struct RowCursor {
 };
 
 __device__ __forceinline__ void zero_row(uint16_t* row, int head_dim, bool vec, int lane) {
+  wait_for_grid_ahead();  // dQ: written by cuDNN's backward ahead of the repair
   if (vec) {
     uint4 zero;
     zero.x = zero.y = zero.z = zero.w = 0u;

@@ -461,7 +461,9 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
     }
   }
 
-  // dQ columns col, col + 1 of row `row`.
+  // dQ columns col, col + 1 of row `row`, written by cuDNN's backward
+  // ahead of the repair: this thread waits for it first.
+  wait_for_grid_ahead();
   auto store = [&](int row, int col, float v0, float v1) {
     uint16_t* dst = dq_head + row * p.dq_st.s;
     if (p.dq_pair) {

@@ -5,8 +5,8 @@ namespace openwam {
 namespace repair {
 
 void launch_repair_fp16(const ScanParams& scan, const TileParams& tiles, int device,
-                        cudaStream_t stream) {
-  launch_repair<Fp16>(scan, tiles, device, stream);
+                        cudaStream_t stream, bool behind_backward) {
+  launch_repair<Fp16>(scan, tiles, device, stream, behind_backward);
 }
 
 }  // namespace repair

@@ -486,6 +486,9 @@ inline void cp_async_16(uint32_t dst_s, const void* src, int src_bytes) {
 
 inline void prefetch_l2(const void* p) { emu::l2_prefetches.push_back(p); }
 
+// The emulation runs one grid at a time: nothing ahead to wait for.
+inline void wait_for_grid_ahead() {}
+
 inline void cp_async_commit() { emu::commit_group(emu::cur->open_group, emu::cur->groups); }
 
 template <int kPending>

@@ -1,0 +1,127 @@
+"""What the repair's programmatic launch saves (BENCHMARKS.md, runs M1-M2).
+
+Inside the op's backward the repair kernel is launched as a programmatic
+dependent of cuDNN's backward (repair_dq.h, behind_backward): on sm_90 it
+may start as the backward's last kernel retires its blocks, and waits for
+it only before writing dQ. The standalone op `_repair_dq_` launches the
+same kernel plainly. This probe times, in paired rounds (device time with
+the host kept ahead, benchmarks/timing.py), cuDNN's backward alone (the
+leaf op with plan none), `plain` (that backward, then `_repair_dq_`) and
+`programmatic` (the leaf op with plan repair_dq: the backward and the
+repair as the op runs them), and prints what each adds to the backward,
+median [min..max] over the rounds, and their difference. Then one profiled
+call of each at three cells: the start and end of the last three kernels.
+
+    python scripts/probe_programmatic_launch.py [--rounds 7] [--repeats 30]
+
+About a minute on one H200; CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import timing  # noqa: E402
+from bench_repair_kernel import key_mask_bias  # noqa: E402
+from stack import headline, import_openwam, stack_info  # noqa: E402
+
+CELLS = [(32, 24, 360, 64, "bool", 128), (32, 24, 360, 64, "bool", 64),
+         (16, 24, 704, 704, "none", 128), (16, 24, 704, 704, "none", 64),
+         (4, 24, 4096, 4032, "none", 128), (4, 24, 4096, 4032, "none", 64)]
+# The leaf ops' plan bits (csrc/plan.cpp).
+PLAN_NONE, PLAN_REPAIR_DQ = 0, 1
+
+
+def setup(cell, share):
+    from openwam_sdpa.adversarial import adversarial_inputs
+
+    B, H, s_q, s_kv, mask, D = cell
+    a = adversarial_inputs(B, H, s_q, s_kv, D, rows=share, layout="bshd", device="cuda", seed=1)
+    q, k, v, go = a.query, a.key, a.value, a.grad_out
+    bias = key_mask_bias(B, s_q, s_kv, q.dtype, "cuda") if mask == "bool" else None
+    scale = 1.0 / math.sqrt(D)
+    ops = torch.ops.openwam
+    out, lse, seed, offset = ops._cudnn_sdpa(q, k, v, bias, 0.0, False, None, True, 0)
+
+    def backward(plan=PLAN_NONE):
+        return ops._cudnn_sdpa_backward(go, q, k, v, bias, out, lse, seed, offset, 0.0, False,
+                                        None, plan)
+
+    def plain(_):
+        dq, _, _ = backward()
+        ops._repair_dq_(dq, go, q, k, v, out, lse, bias, False, scale)
+        return dq
+
+    def programmatic(_):
+        return backward(PLAN_REPAIR_DQ)
+
+    return {"stock": lambda _: backward(), "plain": plain, "programmatic": programmatic}
+
+
+def probe_cell(cell, share, rounds, repeats):
+    steps = setup(cell, share)
+    runs = timing.paired_rounds(
+        [timing.Contender(n) for n in steps],
+        lambda c: {"ms": timing.device_ms(steps[c.name], warmup=3, repeats=repeats)["median_ms"]},
+        rounds)
+    B, H, s_q, s_kv, mask, D = cell
+    line = (f"B{B} H{H} D{D} {s_q}x{s_kv} {mask:4s} {share:12s} "
+            f"stock bwd {timing.percentile(runs['stock']['ms'], 50):.4f} ms")
+    for name in ("plain", "programmatic"):
+        added = timing.round_deltas(runs, name, "stock", "ms")
+        line += (f" | {name} +{added['median'] * 1e3:5.1f} us "
+                 f"[{added['min'] * 1e3:.1f}..{added['max'] * 1e3:.1f}]")
+    d = timing.round_deltas(runs, "programmatic", "plain", "ms")
+    line += (f" | programmatic - plain {d['median'] * 1e3:+.1f} us "
+             f"[{d['min'] * 1e3:+.1f}..{d['max'] * 1e3:+.1f}]")
+    return line
+
+
+def trace(cell, share):
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = setup(cell, share)
+    for name in ("plain", "programmatic"):
+        step = steps[name]
+        for _ in range(3):
+            step(None)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e7))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step(None)
+            torch.cuda.synchronize()
+        ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        ev = sorted(ev, key=lambda e: e.time_range.start)
+        t0 = ev[0].time_range.start
+        print(f"  trace {cell} {share} {name}:")
+        for e in ev[-3:]:
+            print(f"    {e.name[:60]:60s} start {e.time_range.start - t0:8.1f} "
+                  f"end {e.time_range.end - t0:8.1f} us")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("probe_programmatic_launch.py: needs a CUDA device")
+    ow, error = import_openwam()
+    print(headline(stack_info(ow, error, {})), flush=True)
+    if ow is None:
+        raise SystemExit(f"probe_programmatic_launch.py: cannot import openwam_sdpa: {error}")
+    for cell in CELLS:
+        for share in ("none", "one_per_head"):
+            print(probe_cell(cell, share, args.rounds, args.repeats), flush=True)
+    for cell in CELLS[:3]:
+        trace(cell, "one_per_head")
+
+
+if __name__ == "__main__":
+    main()
