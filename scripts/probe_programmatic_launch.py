@@ -12,7 +12,7 @@ repair as the op runs them), and prints what each adds to the backward,
 median [min..max] over the rounds, and their difference. Then one profiled
 call of each at three cells: the start and end of the last three kernels.
 
-    python scripts/probe_programmatic_launch.py [--rounds 7] [--repeats 30]
+    python scripts/probe_programmatic_launch.py [--rounds 7] [--repeats 30] [--quick]
 
 About a minute on one H200; CUDA only.
 """
@@ -109,6 +109,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--quick", action="store_true",
+                    help="the 360x64 and 704x704 cells only, no traces")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("probe_programmatic_launch.py: needs a CUDA device")
@@ -116,11 +118,13 @@ def main():
     print(headline(stack_info(ow, error, {})), flush=True)
     if ow is None:
         raise SystemExit(f"probe_programmatic_launch.py: cannot import openwam_sdpa: {error}")
-    for cell in CELLS:
+    cells = CELLS[:4] if args.quick else CELLS
+    for cell in cells:
         for share in ("none", "one_per_head"):
             print(probe_cell(cell, share, args.rounds, args.repeats), flush=True)
-    for cell in CELLS[:3]:
-        trace(cell, "one_per_head")
+    if not args.quick:
+        for cell in CELLS[:3]:
+            trace(cell, "one_per_head")
 
 
 if __name__ == "__main__":
