@@ -143,6 +143,21 @@ struct Stats {
 // no effect on results).
 inline std::vector<const void*> l2_prefetches;
 
+// The grid ahead of the kernel in its stream, when the kernel may start
+// before it ends (a programmatic launch: cuDNN's backward, writing dQ). A
+// test sets it to that grid's writes; they land at the first
+// wait_for_grid_ahead of any thread, or when the test calls
+// finish_grid_ahead after the launch. A thread that writes what the grid
+// ahead writes, without waiting first, then has its write overwritten.
+inline std::function<void()> grid_ahead;
+inline void finish_grid_ahead() {
+  if (grid_ahead) {
+    const std::function<void()> writes = std::move(grid_ahead);
+    grid_ahead = nullptr;
+    writes();
+  }
+}
+
 struct Block {
   EmuDim3 bid, gdim, bdim;
   std::vector<unsigned char> smem;
@@ -486,8 +501,7 @@ inline void cp_async_16(uint32_t dst_s, const void* src, int src_bytes) {
 
 inline void prefetch_l2(const void* p) { emu::l2_prefetches.push_back(p); }
 
-// The emulation runs one grid at a time: nothing ahead to wait for.
-inline void wait_for_grid_ahead() {}
+inline void wait_for_grid_ahead() { emu::finish_grid_ahead(); }
 
 inline void cp_async_commit() { emu::commit_group(emu::cur->open_group, emu::cur->groups); }
 

@@ -395,8 +395,16 @@ void run_case(const Case<Elt>& c, bool wgmma) {
   };
   emu::tile_trace.clear();
   emu::l2_prefetches.clear();
+  // Launched behind cuDNN's backward, the kernel may start before that
+  // backward has written dQ: until its first wait, dQ holds what was there
+  // before (7.0 everywhere here), and a write to dQ made before the wait is
+  // lost to the backward's (dq_before: NaN in the rows to write).
+  std::fill(dq.storage.begin(), dq.storage.end(), from_d(7.0, kFp16));
+  emu::grid_ahead = [&] { std::copy(dq_before.storage.begin(), dq_before.storage.end(),
+                                    dq.storage.begin()); };
   emu::launch(static_cast<unsigned>(grid), kTileThreads, smem, body,
               static_cast<unsigned>(c.cluster));
+  emu::finish_grid_ahead();
   // L2 prefetches: every 128-byte line of the logsumexp (each block its
   // run's heads, ahead of the walks), at addresses inside it.
   {
