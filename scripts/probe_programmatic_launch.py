@@ -20,63 +20,35 @@ About a minute on one H200; CUDA only.
 from __future__ import annotations
 
 import argparse
-import math
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import timing  # noqa: E402
-from bench_repair_kernel import key_mask_bias  # noqa: E402
-from stack import headline, import_openwam, stack_info  # noqa: E402
+from leaf_cells import PLAN_REPAIR_DQ, leaf_cell, paired_added  # puts benchmarks/ on the path
+import timing  # noqa: E402 (from benchmarks/)
+from stack import headline, import_openwam, stack_info  # noqa: E402 (from benchmarks/)
 
 CELLS = [(32, 24, 360, 64, "bool", 128), (32, 24, 360, 64, "bool", 64),
          (16, 24, 704, 704, "none", 128), (16, 24, 704, 704, "none", 64),
          (4, 24, 4096, 4032, "none", 128), (4, 24, 4096, 4032, "none", 64)]
-# The leaf ops' plan bits (csrc/plan.cpp).
-PLAN_NONE, PLAN_REPAIR_DQ = 0, 1
 
 
 def setup(cell, share):
-    from openwam_sdpa.adversarial import adversarial_inputs
-
-    B, H, s_q, s_kv, mask, D = cell
-    a = adversarial_inputs(B, H, s_q, s_kv, D, rows=share, layout="bshd", device="cuda", seed=1)
-    q, k, v, go = a.query, a.key, a.value, a.grad_out
-    bias = key_mask_bias(B, s_q, s_kv, q.dtype, "cuda") if mask == "bool" else None
-    scale = 1.0 / math.sqrt(D)
-    ops = torch.ops.openwam
-    out, lse, seed, offset = ops._cudnn_sdpa(q, k, v, bias, 0.0, False, None, True, 0)
-
-    def backward(plan=PLAN_NONE):
-        return ops._cudnn_sdpa_backward(go, q, k, v, bias, out, lse, seed, offset, 0.0, False,
-                                        None, plan)
+    c = leaf_cell(cell, share)
 
     def plain(_):
-        dq, _, _ = backward()
-        ops._repair_dq_(dq, go, q, k, v, out, lse, bias, False, scale)
+        dq, _, _ = c.backward()
+        c.repair(dq)
         return dq
 
     def programmatic(_):
-        return backward(PLAN_REPAIR_DQ)
+        return c.backward(PLAN_REPAIR_DQ)
 
-    return {"stock": lambda _: backward(), "plain": plain, "programmatic": programmatic}
+    return c, {"plain": plain, "programmatic": programmatic}
 
 
 def probe_cell(cell, share, rounds, repeats):
-    steps = setup(cell, share)
-    runs = timing.paired_rounds(
-        [timing.Contender(n) for n in steps],
-        lambda c: {"ms": timing.device_ms(steps[c.name], warmup=3, repeats=repeats)["median_ms"]},
-        rounds)
-    B, H, s_q, s_kv, mask, D = cell
-    line = (f"B{B} H{H} D{D} {s_q}x{s_kv} {mask:4s} {share:12s} "
-            f"stock bwd {timing.percentile(runs['stock']['ms'], 50):.4f} ms")
-    for name in ("plain", "programmatic"):
-        added = timing.round_deltas(runs, name, "stock", "ms")
-        line += (f" | {name} +{added['median'] * 1e3:5.1f} us "
-                 f"[{added['min'] * 1e3:.1f}..{added['max'] * 1e3:.1f}]")
+    c, steps = setup(cell, share)
+    runs, line = paired_added(cell, share, lambda _: c.backward(), steps, rounds, repeats)
     d = timing.round_deltas(runs, "programmatic", "plain", "ms")
     line += (f" | programmatic - plain {d['median'] * 1e3:+.1f} us "
              f"[{d['min'] * 1e3:+.1f}..{d['max'] * 1e3:+.1f}]")
@@ -86,7 +58,7 @@ def probe_cell(cell, share, rounds, repeats):
 def trace(cell, share):
     from torch.profiler import ProfilerActivity, profile
 
-    steps = setup(cell, share)
+    _, steps = setup(cell, share)
     for name in ("plain", "programmatic"):
         step = steps[name]
         for _ in range(3):

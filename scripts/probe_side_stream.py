@@ -35,16 +35,11 @@ About a minute on one H200; CUDA only (--host-cost also nvcc and ninja).
 from __future__ import annotations
 
 import argparse
-import math
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import timing  # noqa: E402
-from bench_repair_kernel import key_mask_bias  # noqa: E402
-from stack import headline, import_openwam, stack_info  # noqa: E402
+from leaf_cells import leaf_cell, paired_added  # puts benchmarks/ on the path
+from stack import headline, import_openwam, stack_info  # noqa: E402 (from benchmarks/)
 
 # issue 12's shapes with one affected row per head above 1.05x (run I4).
 CELLS = [(32, 24, 360, 64, "bool", 128), (32, 24, 360, 64, "bool", 64),
@@ -52,27 +47,13 @@ CELLS = [(32, 24, 360, 64, "bool", 128), (32, 24, 360, 64, "bool", 64),
 VARIANTS = ("sequential", "side_first", "bwd_first", "read_kv")
 
 
-def probe_cell(ops, side, cell, share, rounds, repeats, variants=VARIANTS, ext=None):
-    from openwam_sdpa.adversarial import adversarial_inputs
-
-    B, H, s_q, s_kv, mask, D = cell
-    a = adversarial_inputs(B, H, s_q, s_kv, D, rows=share, layout="bshd", device="cuda", seed=1)
-    q, k, v, go = a.query, a.key, a.value, a.grad_out
-    bias = key_mask_bias(B, s_q, s_kv, q.dtype, "cuda") if mask == "bool" else None
-    scale = 1.0 / math.sqrt(D)
-    out, lse, seed, offset = ops._cudnn_sdpa(q, k, v, bias, 0.0, False, None, True, 0)
-    scratch = torch.zeros_like(q)
-
-    def backward():
-        return ops._cudnn_sdpa_backward(go, q, k, v, bias, out, lse, seed, offset, 0.0, False,
-                                        None, 0)
-
-    def repair(dq):
-        ops._repair_dq_(dq, go, q, k, v, out, lse, bias, False, scale)
+def probe_cell(side, cell, share, rounds, repeats, variants=VARIANTS, ext=None):
+    c = leaf_cell(cell, share)
+    scratch = torch.zeros_like(c.q)
 
     def sequential(_):
-        dq, _, _ = backward()
-        repair(dq)
+        dq, _, _ = c.backward()
+        c.repair(dq)
         return dq
 
     def beside(first):
@@ -81,37 +62,27 @@ def probe_cell(ops, side, cell, share, rounds, repeats, variants=VARIANTS, ext=N
             side.wait_stream(main)
             if first == "side":
                 with torch.cuda.stream(side):
-                    repair(scratch)
-            grads = backward()
+                    c.repair(scratch)
+            grads = c.backward()
             if first == "backward":
                 with torch.cuda.stream(side):
-                    repair(scratch)
+                    c.repair(scratch)
             main.wait_stream(side)
             return grads
         return run
 
     def read_kv(_):
-        grads = backward()
-        return grads, k.sum(), v.sum()
+        grads = c.backward()
+        return grads, c.k.sum(), c.v.sum()
 
     def read_fast(_):
-        grads = backward()
-        return grads, ext.read_bytes(k, v)
+        grads = c.backward()
+        return grads, ext.read_bytes(c.k, c.v)
 
-    steps = {"stock": lambda _: backward(), "sequential": sequential,
-             "side_first": beside("side"), "bwd_first": beside("backward"),
-             "read_kv": read_kv, "read_fast": read_fast}
-    steps = {n: f for n, f in steps.items() if n == "stock" or n in variants}
-    runs = timing.paired_rounds(
-        [timing.Contender(n) for n in steps],
-        lambda c: {"ms": timing.device_ms(steps[c.name], warmup=3, repeats=repeats)["median_ms"]},
-        rounds)
-    line = (f"B{B} H{H} D{D} {s_q}x{s_kv} {mask:4s} {share:12s} "
-            f"stock bwd {timing.percentile(runs['stock']['ms'], 50):.4f} ms")
-    for name in variants:
-        added = timing.round_deltas(runs, name, "stock", "ms")  # ms
-        line += (f" | {name} +{added['median'] * 1e3:5.1f} us "
-                 f"[{added['min'] * 1e3:.1f}..{added['max'] * 1e3:.1f}]")
+    steps = {"sequential": sequential, "side_first": beside("side"),
+             "bwd_first": beside("backward"), "read_kv": read_kv, "read_fast": read_fast}
+    _, line = paired_added(cell, share, lambda _: c.backward(),
+                           {n: steps[n] for n in variants}, rounds, repeats)
     return line
 
 
@@ -240,14 +211,12 @@ def main():
     if args.floor:
         ext = extension()
         for cell in CELLS:
-            print(probe_cell(torch.ops.openwam, side, cell, "one_per_head", args.rounds,
-                             args.repeats, ("sequential", "read_kv", "read_fast"), ext),
-                  flush=True)
+            print(probe_cell(side, cell, "one_per_head", args.rounds, args.repeats,
+                             ("sequential", "read_kv", "read_fast"), ext), flush=True)
         return
     for cell in CELLS:
         for share in ("none", "one_per_head"):
-            print(probe_cell(torch.ops.openwam, side, cell, share, args.rounds, args.repeats),
-                  flush=True)
+            print(probe_cell(side, cell, share, args.rounds, args.repeats), flush=True)
 
 
 if __name__ == "__main__":

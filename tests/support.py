@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import sys
 from types import ModuleType
 from typing import NamedTuple
 
@@ -372,7 +373,10 @@ def script_path(name: str) -> str:
 
 
 def load_script(name: str) -> ModuleType:
-    """scripts/<name> imported as a module (its main() not run)."""
+    """scripts/<name> imported as a module (its main() not run), scripts/ on sys.path for the
+    modules it imports from beside it, as when it is run."""
+    if SCRIPTS not in sys.path:
+        sys.path.insert(0, SCRIPTS)
     spec = importlib.util.spec_from_file_location(name.rsplit(".", 1)[0], script_path(name))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

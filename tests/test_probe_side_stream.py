@@ -1,17 +1,23 @@
-"""scripts/probe_side_stream.py, BENCHMARKS.md's runs J1 and J3: it probes the
-share table's own cells, and without a GPU it says it needs one."""
+"""scripts/probe_side_stream.py (BENCHMARKS.md's runs J1, J3, L5, L7) and
+scripts/probe_programmatic_launch.py (runs M1-M2, M6): each probes the share
+table's own cells, and without a GPU each says it needs one."""
 
 import os
 import subprocess
 import sys
 
+import pytest
+
 from support import ROOT, load_script, script_path
 
+PROBES = ("probe_side_stream.py", "probe_programmatic_launch.py")
 
-def test_cells_are_share_table_cells():
+
+@pytest.mark.parametrize("name", PROBES)
+def test_cells_are_share_table_cells(name):
     """Each probed cell is a shape and head_dim of bench_sdpa's share table
     (benchmarks/sdpa_cases.py), with a mask exactly where the table has one."""
-    probe = load_script("probe_side_stream.py")  # puts benchmarks/ on sys.path
+    probe = load_script(name)  # puts benchmarks/ on sys.path
     import sdpa_cases
 
     table = {(s.b, s.h, s.sq, s.skv, s.mask is not None) for s in sdpa_cases.SHARE_SHAPES}
@@ -21,9 +27,11 @@ def test_cells_are_share_table_cells():
         assert D in sdpa_cases.SHARE_HEAD_DIMS
 
 
-def test_needs_a_gpu():
+@pytest.mark.parametrize("name", PROBES)
+def test_needs_a_gpu(name):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run([sys.executable, script_path("probe_side_stream.py")], cwd=ROOT,
+    run = subprocess.run([sys.executable, script_path(name)], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert "needs a CUDA device" in run.stderr
+
