@@ -176,7 +176,7 @@ TileConfig tile_config(int device, bool has_bias) {
 // it starts as the backward's last kernel (the conversion of dQ to 16 bits)
 // retires its blocks, without the gap between two plain launches, and
 // waits for it only before writing dQ (wait_for_grid_ahead). 1-3 us less
-// per backward, with or without affected rows (H200, cuDNN 9.19, run M1).
+// per backward, with or without affected rows (H200, cuDNN 9.19, runs M1-M2).
 template <class Elt, int kWidth>
 void launch_repair_width(const ScanParams& scan, TileParams tiles, int device,
                          cudaStream_t stream, bool behind_backward) {
