@@ -19,9 +19,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import timing  # noqa: E402
 from bench_repair_kernel import key_mask_bias  # noqa: E402
+from stack import headline, import_openwam, stack_info  # noqa: E402
 
 # The leaf ops' plan bits (csrc/plan.cpp).
 PLAN_NONE, PLAN_REPAIR_DQ = 0, 1
+
+
+def start(script, need_openwam=True):
+    """A probe's first steps: a CUDA device or exit, the stack's headline printed, and
+    openwam_sdpa imported (exit without it where `need_openwam`)."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script}: needs a CUDA device")
+    ow, error = import_openwam()
+    print(headline(stack_info(ow, error, {})), flush=True)
+    if need_openwam and ow is None:
+        raise SystemExit(f"{script}: cannot import openwam_sdpa: {error}")
 
 
 @dataclass

@@ -23,9 +23,8 @@ import argparse
 
 import torch
 
-from leaf_cells import PLAN_REPAIR_DQ, leaf_cell, paired_added  # puts benchmarks/ on the path
+from leaf_cells import PLAN_REPAIR_DQ, leaf_cell, paired_added, start  # puts benchmarks/ on the path
 import timing  # noqa: E402 (from benchmarks/)
-from stack import headline, import_openwam, stack_info  # noqa: E402 (from benchmarks/)
 
 CELLS = [(32, 24, 360, 64, "bool", 128), (32, 24, 360, 64, "bool", 64),
          (16, 24, 704, 704, "none", 128), (16, 24, 704, 704, "none", 64),
@@ -84,12 +83,7 @@ def main():
     ap.add_argument("--quick", action="store_true",
                     help="the 360x64 and 704x704 cells only, no traces")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("probe_programmatic_launch.py: needs a CUDA device")
-    ow, error = import_openwam()
-    print(headline(stack_info(ow, error, {})), flush=True)
-    if ow is None:
-        raise SystemExit(f"probe_programmatic_launch.py: cannot import openwam_sdpa: {error}")
+    start("probe_programmatic_launch.py")
     cells = CELLS[:4] if args.quick else CELLS
     for cell in cells:
         for share in ("none", "one_per_head"):

@@ -38,8 +38,7 @@ import argparse
 
 import torch
 
-from leaf_cells import leaf_cell, paired_added  # puts benchmarks/ on the path
-from stack import headline, import_openwam, stack_info  # noqa: E402 (from benchmarks/)
+from leaf_cells import leaf_cell, paired_added, start  # puts benchmarks/ on the path
 
 # issue 12's shapes with one affected row per head above 1.05x (run I4).
 CELLS = [(32, 24, 360, 64, "bool", 128), (32, 24, 360, 64, "bool", 64),
@@ -198,15 +197,10 @@ def main():
     ap.add_argument("--floor", action="store_true",
                     help="one row per head: the repair against plain reads of K and V only")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("probe_side_stream.py: needs a CUDA device")
-    ow, error = import_openwam()
-    print(headline(stack_info(ow, error, {})), flush=True)
-    if args.host_cost:  # CUDA and PyTorch only
+    start("probe_side_stream.py", need_openwam=not args.host_cost)  # --host-cost: CUDA only
+    if args.host_cost:
         host_cost(args.rounds)
         return
-    if ow is None:
-        raise SystemExit(f"probe_side_stream.py: cannot import openwam_sdpa: {error}")
     side = torch.cuda.Stream()
     if args.floor:
         ext = extension()
