@@ -591,15 +591,13 @@ __device__ __forceinline__ void repair_tiles(const ScanParams& scan, const TileP
     prefetch_lse(scan, pos, n_heads);
     flagged = probe_heads(scan, pos, n_heads, hdr.probe_words);
   }
-  for (int64_t item = begin; item < end;) {
-    int end_tile = static_cast<int>(cmin<int64_t>(tiles, first_tile + (end - item)));
-    if (!probed(flagged, head - first_head)) {  // nothing to count or recompute
-      item = head * tiles + end_tile;
-      ++head;
-      first_tile = 0;
-      next_head(pos, heads);
-      continue;
-    }
+  // Each step goes to the next head's items; every head after the run's
+  // first starts at its tile 0.
+  int end_tile = 0;
+  for (int64_t item = begin; item < end;
+       item = head * tiles + end_tile, ++head, first_tile = 0, next_head(pos, heads)) {
+    end_tile = static_cast<int>(cmin<int64_t>(tiles, first_tile + (end - item)));
+    if (!probed(flagged, head - first_head)) continue;  // nothing to count or recompute
     // The run holding a head's tile 0 recomputes its tile of work 0 (at
     // item 0): the count walk gathers that tile's rows (one walk per head
     // less where one tile holds all of a head's rows, as with one affected
@@ -666,10 +664,6 @@ __device__ __forceinline__ void repair_tiles(const ScanParams& scan, const TileP
       count = hdr.run->count;
       if constexpr (kCluster) turn = hdr.run->turn;
     }
-    item = head * tiles + end_tile;
-    ++head;
-    first_tile = 0;
-    next_head(pos, heads);
   }
 }
 
