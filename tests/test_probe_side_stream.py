@@ -1,16 +1,22 @@
-"""scripts/probe_side_stream.py (BENCHMARKS.md's runs J1, J3, L5, L7) and
-scripts/probe_programmatic_launch.py (runs M1-M2, M6): each probes the share
-table's own cells, and without a GPU each says it needs one."""
+"""scripts/probe_side_stream.py (BENCHMARKS.md's runs J1, J3, L5, L7),
+scripts/probe_programmatic_launch.py (runs M1-M2, M6) and
+scripts/probe_row_stream.py (runs N1-N3): each probes the share table's own
+cells, and without a GPU each says it needs one. The row-stream probe's
+float64 reference and threshold are checked here too."""
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from support import ROOT, load_script, script_path
 
-PROBES = ("probe_side_stream.py", "probe_programmatic_launch.py")
+PROBES = ("probe_side_stream.py", "probe_programmatic_launch.py", "probe_row_stream.py")
 
 
 @pytest.mark.parametrize("name", PROBES)
@@ -35,3 +41,33 @@ def test_needs_a_gpu(name):
     assert run.returncode != 0
     assert "needs a CUDA device" in run.stderr
 
+
+
+def test_row_stream_threshold_is_the_repairs():
+    """The prototype lists the rows the landed repair recomputes."""
+    header = (Path(ROOT) / "csrc" / "repair_dq.h").read_text()
+    threshold = float(re.search(r"kRepairLseThreshold = (-?[0-9.]+)f;", header).group(1))
+    assert load_script("probe_row_stream.py").THRESHOLD == threshold
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_row_stream_reference_rows_are_autograd_dq(with_bias):
+    """reference_rows (the probe's float64 dQ of single rows, GQA and a
+    broadcast bias) against autograd through F.scaled_dot_product_attention."""
+    probe = load_script("probe_row_stream.py")
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, s_q, s_kv, D = 2, 4, 2, 5, 7, 8
+    q = torch.randn(B, H, s_q, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, Hkv, s_kv, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, Hkv, s_kv, D, generator=g, dtype=torch.float64)
+    go = torch.randn(B, H, s_q, D, generator=g, dtype=torch.float64)
+    bias = torch.randn(B, 1, s_q, s_kv, generator=g, dtype=torch.float64) if with_bias else None
+    scale = D ** -0.5
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1), attn_mask=bias,
+        scale=scale)
+    (dq,) = torch.autograd.grad(out, q, go)
+    rows = [(0, 0, 0), (0, 3, 4), (1, 1, 2)]
+    cell = SimpleNamespace(q=q.detach(), k=k, v=v, go=go, bias=bias, scale=scale)
+    want = torch.stack([dq[b, h, i] for b, h, i in rows])
+    torch.testing.assert_close(probe.reference_rows(cell, rows), want, rtol=1e-10, atol=1e-12)
