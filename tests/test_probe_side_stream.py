@@ -42,7 +42,6 @@ def test_needs_a_gpu(name):
     assert "needs a CUDA device" in run.stderr
 
 
-
 def test_row_stream_threshold_is_the_repairs():
     """The prototype lists the rows the landed repair recomputes."""
     header = (Path(ROOT) / "csrc" / "repair_dq.h").read_text()
