@@ -24,6 +24,13 @@ from stack import headline, import_openwam, stack_info  # noqa: E402
 # The leaf ops' plan bits (csrc/plan.cpp).
 PLAN_NONE, PLAN_REPAIR_DQ = 0, 1
 
+# bench_sdpa's share-table cells, 360x64 and 704x704 first: with one affected row
+# per head those four are over issue 12's 1.05x (ONE_ROW_OVER).
+SHARE_CELLS = [(32, 24, 360, 64, "bool", 128), (32, 24, 360, 64, "bool", 64),
+               (16, 24, 704, 704, "none", 128), (16, 24, 704, 704, "none", 64),
+               (4, 24, 4096, 4032, "none", 128), (4, 24, 4096, 4032, "none", 64)]
+ONE_ROW_OVER = SHARE_CELLS[:4]
+
 
 def start(script, need_openwam=True):
     """A probe's first steps: a CUDA device or exit, the stack's headline printed, and

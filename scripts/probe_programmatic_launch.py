@@ -23,12 +23,11 @@ import argparse
 
 import torch
 
-from leaf_cells import PLAN_REPAIR_DQ, leaf_cell, paired_added, start  # puts benchmarks/ on the path
+# leaf_cells puts benchmarks/ on the path, for timing
+from leaf_cells import ONE_ROW_OVER, PLAN_REPAIR_DQ, SHARE_CELLS, leaf_cell, paired_added, start
 import timing  # noqa: E402 (from benchmarks/)
 
-CELLS = [(32, 24, 360, 64, "bool", 128), (32, 24, 360, 64, "bool", 64),
-         (16, 24, 704, 704, "none", 128), (16, 24, 704, 704, "none", 64),
-         (4, 24, 4096, 4032, "none", 128), (4, 24, 4096, 4032, "none", 64)]
+CELLS = SHARE_CELLS
 
 
 def setup(cell, share):
@@ -84,7 +83,7 @@ def main():
                     help="the 360x64 and 704x704 cells only, no traces")
     args = ap.parse_args()
     start("probe_programmatic_launch.py")
-    cells = CELLS[:4] if args.quick else CELLS
+    cells = ONE_ROW_OVER if args.quick else CELLS
     for cell in cells:
         for share in ("none", "one_per_head"):
             print(probe_cell(cell, share, args.rounds, args.repeats), flush=True)

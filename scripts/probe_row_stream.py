@@ -48,10 +48,9 @@ import math
 
 import torch
 
-from leaf_cells import leaf_cell, paired_added, start  # puts benchmarks/ on the path
+from leaf_cells import ONE_ROW_OVER, leaf_cell, paired_added, start  # puts benchmarks/ on the path
 
-CELLS = [(32, 24, 360, 64, "bool", 128), (32, 24, 360, 64, "bool", 64),
-         (16, 24, 704, 704, "none", 128), (16, 24, 704, 704, "none", 64)]
+CELLS = ONE_ROW_OVER
 THRESHOLD = -40.0  # csrc/repair_dq.h, kRepairLseThreshold
 # The prototype's forms (row_stream's `variant`): per head (one block of 4 warps
 # per head, 16 keys a step); piped (8 keys a step, the next step's K and V
