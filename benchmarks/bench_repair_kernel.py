@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 
 import torch
@@ -81,6 +82,13 @@ def stock_times(q, k, v, go, bias, repeats):
     return both["median_ms"], back["median_ms"]
 
 
+def kernel_label(name):
+    """A profiled kernel's key in kernels_us: "repair" for the repair's kernels
+    (repair_kernel, and any form of it named repair_<form>_kernel, such as a
+    branch's repair_warp_kernel), else the name's first 40 characters."""
+    return "repair" if re.search(r"repair_\w*kernel", name) else name[:40]
+
+
 def kernel_us(fn):
     """{kernel name: device µs} of one fn() call, from the profiler: where the time of a
     repair goes (its one kernel; with no affected row, its fixed cost)."""
@@ -99,7 +107,7 @@ def kernel_us(fn):
     out = {}
     for e in events:
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            name = "repair" if "repair_kernel" in e.name else e.name[:40]
+            name = kernel_label(e.name)
             out[name] = out.get(name, 0.0) + e.device_time_total
     return out
 

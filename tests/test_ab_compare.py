@@ -2,11 +2,13 @@
 times of base and new runs of bench_repair_kernel.py on one machine, their
 ratio and the base's own spread (synthetic repair_kernel.json files)."""
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 
-from support import load_script, script_path
+from support import ROOT, load_script, script_path
 
 
 def write_run(path, times):
@@ -50,3 +52,15 @@ def test_a_missing_run_is_an_error_not_a_traceback(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2
     assert "missing or unreadable" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_every_form_of_the_repair_kernel_is_labelled_repair():
+    spec = importlib.util.spec_from_file_location(
+        "bench_repair_kernel", os.path.join(ROOT, "benchmarks", "bench_repair_kernel.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for name in ("void openwam::repair::repair_kernel<openwam::repair::Bf16, 128, false>(...)",
+                 "void openwam::repair::repair_warp_kernel<openwam::repair::Fp16>(...)"):
+        assert bench.kernel_label(name) == "repair"
+    cudnn = "sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64"
+    assert bench.kernel_label(cudnn) == cudnn[:40]
