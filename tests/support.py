@@ -366,18 +366,30 @@ def assert_close_to_reference(name, x, ref, dtype, ulps=4.0):
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 SCRIPTS = os.path.join(ROOT, "scripts")
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
 
 
 def script_path(name: str) -> str:
     return os.path.join(SCRIPTS, name)
 
 
-def load_script(name: str) -> ModuleType:
-    """scripts/<name> imported as a module (its main() not run), scripts/ on sys.path for the
+def _load_from(folder: str, name: str) -> ModuleType:
+    """folder/<name> imported as a module (its main() not run), folder on sys.path for the
     modules it imports from beside it, as when it is run."""
-    if SCRIPTS not in sys.path:
-        sys.path.insert(0, SCRIPTS)
-    spec = importlib.util.spec_from_file_location(name.rsplit(".", 1)[0], script_path(name))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(name.rsplit(".", 1)[0],
+                                                  os.path.join(folder, name))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_script(name: str) -> ModuleType:
+    """scripts/<name> imported as a module (see _load_from)."""
+    return _load_from(SCRIPTS, name)
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """benchmarks/<name> imported as a module (see _load_from)."""
+    return _load_from(BENCHMARKS, name)

@@ -2,13 +2,11 @@
 times of base and new runs of bench_repair_kernel.py on one machine, their
 ratio and the base's own spread (synthetic repair_kernel.json files)."""
 
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 
-from support import ROOT, load_script, script_path
+from support import load_benchmark, load_script, script_path
 
 
 def write_run(path, times):
@@ -55,10 +53,7 @@ def test_a_missing_run_is_an_error_not_a_traceback(tmp_path):
 
 
 def test_every_form_of_the_repair_kernel_is_labelled_repair():
-    spec = importlib.util.spec_from_file_location(
-        "bench_repair_kernel", os.path.join(ROOT, "benchmarks", "bench_repair_kernel.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("bench_repair_kernel.py")
     for name in ("void openwam::repair::repair_kernel<openwam::repair::Bf16, 128, false>(...)",
                  "void openwam::repair::repair_warp_kernel<openwam::repair::Fp16>(...)"):
         assert bench.kernel_label(name) == "repair"
