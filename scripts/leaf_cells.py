@@ -69,6 +69,13 @@ class LeafCell:
         torch.ops.openwam._repair_dq_(dq, self.go, self.q, self.k, self.v, self.out, self.lse,
                                       self.bias, False, self.scale)
 
+    def repaired(self, _=None):
+        """cuDNN's backward, then the standalone repair op on its dQ: the landed repair as
+        a step of paired_added."""
+        dq, _, _ = self.backward()
+        self.repair(dq)
+        return dq
+
 
 def leaf_cell(cell, share):
     from openwam_sdpa.adversarial import adversarial_inputs

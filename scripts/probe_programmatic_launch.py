@@ -33,15 +33,10 @@ CELLS = SHARE_CELLS
 def setup(cell, share):
     c = leaf_cell(cell, share)
 
-    def plain(_):
-        dq, _, _ = c.backward()
-        c.repair(dq)
-        return dq
-
     def programmatic(_):
         return c.backward(PLAN_REPAIR_DQ)
 
-    return c, {"plain": plain, "programmatic": programmatic}
+    return c, {"plain": c.repaired, "programmatic": programmatic}
 
 
 def probe_cell(cell, share, rounds, repeats):

@@ -44,7 +44,6 @@ About two minutes on one H200 (the kernel is built on the spot: nvcc, ninja).
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 
@@ -420,6 +419,23 @@ def reference_rows(c, rows):
     return torch.stack(out)
 
 
+def affected_rows(c, at_most=64):
+    """The rows the repair recomputes (a mask over (b, h, i)), up to about `at_most` of
+    them spread over the heads, and their float64 dQ."""
+    lse = c.lse.reshape(c.q.shape[:3])
+    low = (lse < THRESHOLD) & (lse != float("-inf"))
+    rows = low.nonzero().tolist()
+    picked = rows[:: max(1, len(rows) // at_most)]
+    return low, picked, reference_rows(c, picked)
+
+
+def worst_row_error(dq, picked, ref):
+    """The largest, over the picked rows, of a row's max |error| over its max |reference|."""
+    got = torch.stack([dq[b, h, i].double() for b, h, i in picked])
+    err = (got - ref).abs().amax(-1) / ref.abs().amax(-1).clamp_min(1e-30)
+    return err.max().item()
+
+
 def accuracy(ext, c):
     dq0, _, _ = c.backward()
     a, s = dq0.clone(), dq0.clone()
@@ -432,21 +448,15 @@ def accuracy(ext, c):
                        variant)
         others.append(x)
     torch.cuda.synchronize()
-    lse = c.lse.reshape(c.q.shape[:3])
-    low = (lse < THRESHOLD) & (lse != float("-inf"))
-    rows = low.nonzero().tolist()
+    low, picked, ref = affected_rows(c)
     per_head = low.sum(-1).max().item()
-    picked = rows[:: max(1, len(rows) // 64)]  # up to ~64 rows, spread over the heads
-    ref = reference_rows(c, picked)
 
     def worst(dq):
-        got = torch.stack([dq[b, h, i].double() for b, h, i in picked])
-        err = (got - ref).abs().amax(-1) / ref.abs().amax(-1).clamp_min(1e-30)
-        return err.max().item()
+        return worst_row_error(dq, picked, ref)
 
     untouched = torch.equal(a[~low], dq0[~low]) and torch.equal(s[~low], dq0[~low])
     same = all(torch.equal(x, s) for x in others)
-    return (f"  rows below threshold {len(rows)} (at most {per_head} in a head); worst row "
+    return (f"  rows below threshold {int(low.sum())} (at most {per_head} in a head); worst row "
             f"error vs float64 over {len(picked)} rows: landed {worst(a):.3e}, stream "
             f"{worst(s):.3e}; non-finite: landed {int((~a.isfinite()).sum())}, stream "
             f"{int((~s.isfinite()).sum())}; other rows untouched: {untouched}; variants 1-4 "
@@ -464,11 +474,6 @@ def main():
         for share in ("none", "one_per_head"):
             c = leaf_cell(cell, share)
 
-            def landed(_):
-                dq, _, _ = c.backward()
-                c.repair(dq)
-                return dq
-
             def stream(compute, variant):
                 def run(_):
                     dq, _, _ = c.backward()
@@ -477,7 +482,7 @@ def main():
                     return dq
                 return run
 
-            steps = {"landed": landed}
+            steps = {"landed": c.repaired}
             steps.update({name: stream(True, v) for v, name in enumerate(VARIANTS)})
             steps["scan"] = stream(False, 0)
             _, line = paired_added(cell, share, lambda _: c.backward(), steps, args.rounds,

@@ -49,11 +49,6 @@ def probe_cell(side, cell, share, rounds, repeats, variants=VARIANTS, ext=None):
     c = leaf_cell(cell, share)
     scratch = torch.zeros_like(c.q)
 
-    def sequential(_):
-        dq, _, _ = c.backward()
-        c.repair(dq)
-        return dq
-
     def beside(first):
         def run(_):
             main = torch.cuda.current_stream()
@@ -77,7 +72,7 @@ def probe_cell(side, cell, share, rounds, repeats, variants=VARIANTS, ext=None):
         grads = c.backward()
         return grads, ext.read_bytes(c.k, c.v)
 
-    steps = {"sequential": sequential, "side_first": beside("side"),
+    steps = {"sequential": c.repaired, "side_first": beside("side"),
              "bwd_first": beside("backward"), "read_kv": read_kv, "read_fast": read_fast}
     _, line = paired_added(cell, share, lambda _: c.backward(),
                            {n: steps[n] for n in variants}, rounds, repeats)

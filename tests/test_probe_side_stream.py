@@ -1,6 +1,7 @@
 """scripts/probe_side_stream.py (BENCHMARKS.md's runs J1, J3, L5, L7),
-scripts/probe_programmatic_launch.py (runs M1-M2, M6) and
-scripts/probe_row_stream.py (runs N1-N3): each probes the share table's own
+scripts/probe_programmatic_launch.py (runs M1-M2, M6),
+scripts/probe_row_stream.py (runs N1-N3) and scripts/probe_split_keys.py
+(runs Q1-Q4): each probes the share table's own
 cells, and without a GPU each says it needs one. The row-stream probe's
 float64 reference and threshold are checked here too."""
 
@@ -16,7 +17,8 @@ import torch
 
 from support import ROOT, load_script, script_path
 
-PROBES = ("probe_side_stream.py", "probe_programmatic_launch.py", "probe_row_stream.py")
+PROBES = ("probe_side_stream.py", "probe_programmatic_launch.py", "probe_row_stream.py",
+          "probe_split_keys.py")
 
 
 @pytest.mark.parametrize("name", PROBES)
@@ -70,3 +72,30 @@ def test_row_stream_reference_rows_are_autograd_dq(with_bias):
     cell = SimpleNamespace(q=q.detach(), k=k, v=v, go=go, bias=bias, scale=scale)
     want = torch.stack([dq[b, h, i] for b, h, i in rows])
     torch.testing.assert_close(probe.reference_rows(cell, rows), want, rtol=1e-10, atol=1e-12)
+
+
+def test_row_stream_affected_rows_and_their_error():
+    """affected_rows lists the rows below the repair's threshold (not the -inf
+    rows, which the repair zeroes), and worst_row_error is 0 on the float64
+    reference and a row's max error over its max |reference| otherwise."""
+    probe = load_script("probe_row_stream.py")
+    g = torch.Generator().manual_seed(1)
+    B, H, s_q, s_kv, D = 2, 3, 6, 5, 8
+    lse = torch.zeros(B, H, s_q, 1)
+    lse[0, 1, 2] = probe.THRESHOLD - 1.0
+    lse[1, 2, 5] = probe.THRESHOLD - 50.0
+    lse[1, 0, 0] = float("-inf")
+    lse[0, 0, 3] = probe.THRESHOLD + 1.0
+    cell = SimpleNamespace(
+        q=torch.randn(B, H, s_q, D, generator=g), k=torch.randn(B, H, s_kv, D, generator=g),
+        v=torch.randn(B, H, s_kv, D, generator=g), go=torch.randn(B, H, s_q, D, generator=g),
+        bias=None, scale=D ** -0.5, lse=lse)
+    low, picked, ref = probe.affected_rows(cell)
+    assert picked == [[0, 1, 2], [1, 2, 5]]
+    assert low.sum().item() == 2 and low.shape == (B, H, s_q)
+    dq = torch.zeros(B, H, s_q, D, dtype=torch.float64)
+    for (b, h, i), row in zip(picked, ref):
+        dq[b, h, i] = row
+    assert probe.worst_row_error(dq, picked, ref) == 0.0
+    dq[1, 2, 5, 3] += 0.25 * ref[1].abs().max()
+    assert probe.worst_row_error(dq, picked, ref) == pytest.approx(0.25)

@@ -1,0 +1,257 @@
+// Can the repair keep one host launch and still run two kernels? A probe of
+// CUDA dynamic parallelism's tail launch (CUDA 12+, sm_90), for issue 12.
+//
+// The repair's one kernel holds both the few-row path and the tensor-core
+// tiles, so the few-row path runs at the tiles' 255 registers (2 blocks per
+// SM), and every measured way of adding a faster few-row path to that kernel
+// slowed its tiles (BENCHMARKS.md, runs N6, P1-P4); a second host launch
+// costs 4-6 us of host time per backward (J6), over issue 11's budget. A
+// kernel may instead launch the tiles itself, from the device, only when a
+// head needs them: cudaStreamTailLaunch runs the child after the parent grid
+// in the parent's stream order, and the host launches one kernel.
+//
+// Measured here (device time per call from CUDA events over many calls; host
+// time per launch while a sleep kernel keeps the GPU busy):
+//   light            a small grid that reads a flag (the probe's stand-in)
+//   light+host       light, then a second host launch (the child)
+//   tail(off)        light with a tail launch in its code, not taken
+//   tail(on)         light whose thread 0 of block 0 tail-launches the child
+//   pdl+tail(on)     the same, launched as a programmatic dependent of the
+//                    kernel before it (as the repair is: cudaLaunchKernelEx,
+//                    programmatic stream serialization, griddepcontrol.wait)
+//   graph            tail(on) captured in a CUDA graph and replayed: the child
+//                    runs once per replayed call (a counter says)
+//
+//   nvcc -O3 -arch=sm_90a -rdc=true scripts/probe_tail_launch.cu -lcudadevrt \
+//        -o build/probe_tail_launch && build/probe_tail_launch
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CHECK(x)                                                                     \
+  do {                                                                               \
+    cudaError_t e_ = (x);                                                            \
+    if (e_ != cudaSuccess) {                                                         \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,                 \
+                   cudaGetErrorString(e_));                                          \
+      std::exit(1);                                                                  \
+    }                                                                                \
+  } while (0)
+
+__global__ void child(unsigned* counter, const float* data, int n) {
+  // Touch some data so that the child is a real grid, and count its runs.
+  float s = 0.0f;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) s += data[i];
+  if (s == 12345.0f) counter[1] = 1;  // never: keeps the loads
+  if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(counter, 1u);
+}
+
+__global__ void light(const int* flag, const float* data, int n, unsigned* counter, int child_grid,
+                      int wait_dependency) {
+  if (wait_dependency) asm volatile("griddepcontrol.wait;" ::: "memory");
+  float s = 0.0f;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) s += data[i];
+  if (s == 12345.0f) counter[1] = 1;
+  if (child_grid > 0 && blockIdx.x == 0 && threadIdx.x == 0 && *flag != 0) {
+    child<<<child_grid, 256, 0, cudaStreamTailLaunch>>>(counter, data, n);
+  }
+}
+
+__global__ void busy(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+}
+
+__global__ void before(float* x, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) x[i] += 1.0f;
+}
+
+struct Bufs {
+  int* flag;
+  float* data;
+  unsigned* counter;
+  float* scratch;
+  int n, scratch_n;
+};
+
+enum Mode { kLight, kLightHost, kTailOff, kTailOn, kPdlTailOn };
+const char* kNames[] = {"light", "light+host", "tail(off)", "tail(on)", "pdl+tail(on)"};
+
+void launch(Mode m, const Bufs& b, int grid, int child_grid, cudaStream_t s, int* flag_on, int* flag_off) {
+  switch (m) {
+    case kLight:
+      light<<<grid, 256, 0, s>>>(flag_off, b.data, b.n, b.counter, 0, 0);
+      break;
+    case kLightHost:
+      light<<<grid, 256, 0, s>>>(flag_off, b.data, b.n, b.counter, 0, 0);
+      child<<<child_grid, 256, 0, s>>>(b.counter, b.data, b.n);
+      break;
+    case kTailOff:
+      light<<<grid, 256, 0, s>>>(flag_off, b.data, b.n, b.counter, child_grid, 0);
+      break;
+    case kTailOn:
+      light<<<grid, 256, 0, s>>>(flag_on, b.data, b.n, b.counter, child_grid, 0);
+      break;
+    case kPdlTailOn: {
+      before<<<132, 256, 0, s>>>(b.scratch, b.scratch_n);
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(grid);
+      cfg.blockDim = dim3(256);
+      cfg.stream = s;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[0].val.programmaticStreamSerializationAllowed = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      const int* f = flag_on;
+      CHECK(cudaLaunchKernelEx(&cfg, light, f, (const float*)b.data, b.n, b.counter, child_grid, 1));
+      break;
+    }
+  }
+}
+
+int main() {
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  int rt = 0, drv = 0;
+  CHECK(cudaRuntimeGetVersion(&rt));
+  CHECK(cudaDriverGetVersion(&drv));
+  std::printf("device %s, %d SMs, runtime %d, driver %d\n", prop.name, sms, rt, drv);
+
+  Bufs b{};
+  b.n = 1 << 16;  // 256 KB read by each grid: small, as the repair's scan
+  b.scratch_n = 1 << 22;
+  CHECK(cudaMalloc(&b.flag, 2 * sizeof(int)));
+  CHECK(cudaMalloc(&b.data, b.n * sizeof(float)));
+  CHECK(cudaMalloc(&b.counter, 2 * sizeof(unsigned)));
+  CHECK(cudaMalloc(&b.scratch, b.scratch_n * sizeof(float)));
+  CHECK(cudaMemset(b.data, 0, b.n * sizeof(float)));
+  CHECK(cudaMemset(b.scratch, 0, b.scratch_n * sizeof(float)));
+  const int one = 1;
+  CHECK(cudaMemset(b.flag, 0, 2 * sizeof(int)));
+  CHECK(cudaMemcpy(b.flag, &one, sizeof(int), cudaMemcpyHostToDevice));
+  int* flag_on = b.flag;
+  int* flag_off = b.flag + 1;
+  cudaStream_t s;
+  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  const int grid = 2 * sms, child_grid = 2 * sms;
+  const int calls = 200, rounds = 7;
+
+  // ---- device time per call, paired rounds (modes interleaved per round)
+  std::printf("\ndevice time per call (us), %d calls a round, %d rounds: median [min..max]\n", calls,
+              rounds);
+  std::vector<std::vector<float>> t(5);
+  for (int r = 0; r < rounds; ++r) {
+    for (int mi = 0; mi < 5; ++mi) {
+      const Mode m = static_cast<Mode>(mi);
+      for (int w = 0; w < 20; ++w) launch(m, b, grid, child_grid, s, flag_on, flag_off);
+      CHECK(cudaEventRecord(e0, s));
+      for (int c = 0; c < calls; ++c) launch(m, b, grid, child_grid, s, flag_on, flag_off);
+      CHECK(cudaEventRecord(e1, s));
+      CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      t[mi].push_back(ms * 1e3f / calls);
+    }
+  }
+  CHECK(cudaGetLastError());
+  for (int mi = 0; mi < 5; ++mi) {
+    std::vector<float> v = t[mi];
+    std::sort(v.begin(), v.end());
+    std::printf("  %-14s %7.2f [%.2f..%.2f]\n", kNames[mi], v[v.size() / 2], v.front(), v.back());
+  }
+  // The pdl mode includes `before`: time it alone for the difference.
+  {
+    std::vector<float> v;
+    for (int r = 0; r < rounds; ++r) {
+      CHECK(cudaEventRecord(e0, s));
+      for (int c = 0; c < calls; ++c) before<<<132, 256, 0, s>>>(b.scratch, b.scratch_n);
+      CHECK(cudaEventRecord(e1, s));
+      CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      v.push_back(ms * 1e3f / calls);
+    }
+    std::sort(v.begin(), v.end());
+    std::printf("  %-14s %7.2f [%.2f..%.2f]  (pdl+tail(on) includes it)\n", "before alone",
+                v[v.size() / 2], v.front(), v.back());
+  }
+
+  // ---- the child runs exactly once per call with the flag on, never with it off
+  {
+    CHECK(cudaMemset(b.counter, 0, 2 * sizeof(unsigned)));
+    for (int c = 0; c < 10; ++c) launch(kTailOn, b, grid, child_grid, s, flag_on, flag_off);
+    for (int c = 0; c < 10; ++c) launch(kTailOff, b, grid, child_grid, s, flag_on, flag_off);
+    for (int c = 0; c < 10; ++c) launch(kPdlTailOn, b, grid, child_grid, s, flag_on, flag_off);
+    CHECK(cudaStreamSynchronize(s));
+    unsigned got = 0;
+    CHECK(cudaMemcpy(&got, b.counter, sizeof(unsigned), cudaMemcpyDeviceToHost));
+    std::printf("\nchild runs after 10 tail(on) + 10 tail(off) + 10 pdl+tail(on): %u (expect 20)\n",
+                got);
+  }
+
+  // ---- a CUDA graph of tail(on) calls
+  {
+    const int captured = 10;
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CHECK(cudaMemset(b.counter, 0, 2 * sizeof(unsigned)));
+    CHECK(cudaStreamSynchronize(s));
+    CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (int c = 0; c < captured; ++c) launch(kTailOn, b, grid, child_grid, s, flag_on, flag_off);
+    for (int c = 0; c < captured; ++c) launch(kPdlTailOn, b, grid, child_grid, s, flag_on, flag_off);
+    const cudaError_t end = cudaStreamEndCapture(s, &g);
+    if (end != cudaSuccess) {
+      std::printf("graph: capture failed: %s\n", cudaGetErrorString(end));
+    } else {
+      const cudaError_t inst = cudaGraphInstantiate(&ge, g, 0);
+      if (inst != cudaSuccess) {
+        std::printf("graph: instantiate failed: %s\n", cudaGetErrorString(inst));
+      } else {
+        for (int r = 0; r < 3; ++r) CHECK(cudaGraphLaunch(ge, s));
+        CHECK(cudaStreamSynchronize(s));
+        unsigned got = 0;
+        CHECK(cudaMemcpy(&got, b.counter, sizeof(unsigned), cudaMemcpyDeviceToHost));
+        std::printf("graph: %d captured calls (half pdl) replayed 3 times: child ran %u times "
+                    "(expect %d)\n", 2 * captured, got, 6 * captured);
+        CHECK(cudaGraphExecDestroy(ge));
+      }
+      CHECK(cudaGraphDestroy(g));
+    }
+  }
+
+  // ---- host time per launch while the GPU is busy (the host never waits)
+  std::printf("\nhost time per call (us), %d calls a round behind a sleep kernel, %d rounds\n",
+              calls, rounds);
+  const Mode host_modes[] = {kLight, kLightHost, kTailOff, kTailOn};
+  std::vector<std::vector<double>> h(4);
+  for (int r = 0; r < rounds; ++r) {
+    for (int mi = 0; mi < 4; ++mi) {
+      busy<<<1, 1, 0, s>>>(2000000000LL);  // about a second at 1.98 GHz
+      const auto h0 = std::chrono::steady_clock::now();
+      for (int c = 0; c < calls; ++c) launch(host_modes[mi], b, grid, child_grid, s, flag_on, flag_off);
+      const auto h1 = std::chrono::steady_clock::now();
+      h[mi].push_back(std::chrono::duration<double, std::micro>(h1 - h0).count() / calls);
+      CHECK(cudaStreamSynchronize(s));
+    }
+  }
+  for (int mi = 0; mi < 4; ++mi) {
+    std::vector<double> v = h[mi];
+    std::sort(v.begin(), v.end());
+    std::printf("  %-14s %7.2f [%.2f..%.2f]\n", kNames[host_modes[mi]], v[v.size() / 2], v.front(),
+                v.back());
+  }
+  CHECK(cudaGetLastError());
+  std::printf("\nok\n");
+  return 0;
+}
