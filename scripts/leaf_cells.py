@@ -9,6 +9,8 @@ openwam_sdpa.adversarial's (none, one_per_head, a fraction, all). CUDA only.
 
 from __future__ import annotations
 
+import argparse
+import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -69,12 +71,28 @@ class LeafCell:
         torch.ops.openwam._repair_dq_(dq, self.go, self.q, self.k, self.v, self.out, self.lse,
                                       self.bias, False, self.scale)
 
-    def repaired(self, _=None):
-        """cuDNN's backward, then the standalone repair op on its dQ: the landed repair as
-        a step of paired_added."""
-        dq, _, _ = self.backward()
-        self.repair(dq)
-        return dq
+    def then(self, fn):
+        """A step of paired_added: cuDNN's backward, then fn(dq) on its dQ."""
+        def step(_=None):
+            dq, _, _ = self.backward()
+            fn(dq)
+            return dq
+        return step
+
+    @functools.cached_property
+    def repaired(self):
+        """The landed repair as a step of paired_added: cuDNN's backward, then the
+        standalone repair op on its dQ."""
+        return self.then(self.repair)
+
+
+def probe_parser(doc, rounds=5, repeats=30):
+    """A probe's command line (its docstring's first line as the description): paired
+    rounds, and repeats per round; the probe adds its own options."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--repeats", type=int, default=repeats)
+    return ap
 
 
 def leaf_cell(cell, share):

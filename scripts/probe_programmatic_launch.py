@@ -19,12 +19,11 @@ About a minute on one H200; CUDA only.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 # leaf_cells puts benchmarks/ on the path, for timing
-from leaf_cells import ONE_ROW_OVER, PLAN_REPAIR_DQ, SHARE_CELLS, leaf_cell, paired_added, start
+from leaf_cells import (ONE_ROW_OVER, PLAN_REPAIR_DQ, SHARE_CELLS, leaf_cell, paired_added,
+                        probe_parser, start)
 import timing  # noqa: E402 (from benchmarks/)
 
 CELLS = SHARE_CELLS
@@ -71,9 +70,7 @@ def trace(cell, share):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--repeats", type=int, default=30)
+    ap = probe_parser(__doc__, rounds=7)
     ap.add_argument("--quick", action="store_true",
                     help="the 360x64 and 704x704 cells only, no traces")
     args = ap.parse_args()

@@ -43,11 +43,10 @@ About two minutes on one H200 (the kernel is built on the spot: nvcc, ninja).
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from leaf_cells import ONE_ROW_OVER, leaf_cell, paired_added, start  # puts benchmarks/ on the path
+from leaf_cells import (  # puts benchmarks/ on the path
+    ONE_ROW_OVER, leaf_cell, paired_added, probe_parser, start)
 
 CELLS = ONE_ROW_OVER
 THRESHOLD = -40.0  # csrc/repair_dq.h, kRepairLseThreshold
@@ -464,9 +463,7 @@ def accuracy(ext, c):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=30)
+    ap = probe_parser(__doc__)
     args = ap.parse_args()
     start("probe_row_stream.py")
     ext = extension()
@@ -475,12 +472,9 @@ def main():
             c = leaf_cell(cell, share)
 
             def stream(compute, variant):
-                def run(_):
-                    dq, _, _ = c.backward()
-                    ext.row_stream(dq, c.go, c.q, c.k, c.v, c.out, c.lse, c.bias, c.scale,
-                                   THRESHOLD, compute, variant)
-                    return dq
-                return run
+                return c.then(lambda dq: ext.row_stream(dq, c.go, c.q, c.k, c.v, c.out, c.lse,
+                                                        c.bias, c.scale, THRESHOLD, compute,
+                                                        variant))
 
             steps = {"landed": c.repaired}
             steps.update({name: stream(True, v) for v, name in enumerate(VARIANTS)})

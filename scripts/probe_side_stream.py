@@ -34,11 +34,10 @@ About a minute on one H200; CUDA only (--host-cost also nvcc and ninja).
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from leaf_cells import ONE_ROW_OVER, leaf_cell, paired_added, start  # puts benchmarks/ on the path
+from leaf_cells import (  # puts benchmarks/ on the path
+    ONE_ROW_OVER, leaf_cell, paired_added, probe_parser, start)
 
 # issue 12's shapes with one affected row per head above 1.05x (run I4).
 CELLS = ONE_ROW_OVER
@@ -183,9 +182,7 @@ def host_cost(rounds):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=30)
+    ap = probe_parser(__doc__)
     ap.add_argument("--host-cost", action="store_true",
                     help="the host time a side-stream plan would add per backward, instead")
     ap.add_argument("--floor", action="store_true",

@@ -46,11 +46,10 @@ H200 (the kernels are built on the spot).
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from leaf_cells import ONE_ROW_OVER, leaf_cell, paired_added, start  # puts benchmarks/ on the path
+from leaf_cells import (  # puts benchmarks/ on the path
+    ONE_ROW_OVER, leaf_cell, paired_added, probe_parser, start)
 from probe_row_stream import THRESHOLD, affected_rows, worst_row_error
 
 CELLS = ONE_ROW_OVER
@@ -100,6 +99,58 @@ __device__ __forceinline__ void unpack8(const uint16_t* p, float* x) {
   }
 }
 
+// One pass of a block's logsumexp scan, rows i0 + u * kThreads + tid below
+// `end`: every value loaded before any is tested (one round trip); the
+// affected rows (below the threshold, not -inf) are counted in *count and
+// the first kMaxRows of them listed in rows (shared memory).
+template <int U>
+__device__ __forceinline__ void scan_pass(const Params& p, const float* lse, int i0, int end,
+                                          int tid, int lane, int* rows, int* count) {
+  float l[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int i = i0 + u * kThreads + tid;
+    l[u] = i < end ? lse[i * p.lse_s] : INFINITY;
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const bool hit = l[u] < p.threshold && l[u] != -INFINITY;
+    const unsigned m = __ballot_sync(0xffffffffu, hit);
+    if (m == 0u) continue;
+    int base = 0;
+    if (lane == 0) base = atomicAdd(count, __popc(m));
+    base = __shfl_sync(0xffffffffu, base, 0);
+    if (hit) {
+      const int slot = base + __popc(m & ((1u << lane) - 1u));
+      if (slot < kMaxRows) rows[slot] = i0 + u * kThreads + tid;
+    }
+  }
+}
+
+// Warp `warp` takes an affected row: its q and dO as floats into shared
+// memory (qs, gs), delta = dO . O and its logsumexp in base 2.
+template <int D>
+__device__ __forceinline__ void load_row(const Params& p, int b, int h, int row, int warp,
+                                         int lane, const float* lse, float* qs, float* gs,
+                                         float* deltas, float* lse2s) {
+  const uint16_t* qr = p.q + b * p.q_b + h * p.q_h + row * p.q_s;
+  const uint16_t* gr = p.go + b * p.go_b + h * p.go_h + row * p.go_s;
+  const uint16_t* orow = p.o + b * p.o_b + h * p.o_h + row * p.o_s;
+  float delta = 0.0f;
+  for (int d = lane; d < D; d += 32) {
+    const float g = bf(gr[d]);
+    qs[warp * D + d] = bf(qr[d]);
+    gs[warp * D + d] = g;
+    delta += g * bf(orow[d]);
+  }
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) delta += __shfl_xor_sync(0xffffffffu, delta, m);
+  if (lane == 0) {
+    deltas[warp] = delta;
+    lse2s[warp] = lse[row * p.lse_s] * 1.4426950408889634f;
+  }
+}
+
 // Block (head bh, chunk rank) of a cluster of p.cluster blocks along x.
 template <int D>
 __global__ void __launch_bounds__(kThreads) split_keys(const Params p) {
@@ -129,25 +180,7 @@ __global__ void __launch_bounds__(kThreads) split_keys(const Params p) {
   if (tid == 0) count = 0;
   __syncthreads();
   for (int i0 = r0; i0 < r1; i0 += kThreads * kScan) {
-    float l[kScan];
-#pragma unroll
-    for (int u = 0; u < kScan; ++u) {
-      const int i = i0 + u * kThreads + tid;
-      l[u] = i < r1 ? lse[i * p.lse_s] : INFINITY;
-    }
-#pragma unroll
-    for (int u = 0; u < kScan; ++u) {
-      const bool hit = l[u] < p.threshold && l[u] != -INFINITY;
-      const unsigned m = __ballot_sync(0xffffffffu, hit);
-      if (m == 0u) continue;
-      int base = 0;
-      if (lane == 0) base = atomicAdd(&count, __popc(m));
-      base = __shfl_sync(0xffffffffu, base, 0);
-      if (hit) {
-        const int slot = base + __popc(m & ((1u << lane) - 1u));
-        if (slot < kMaxRows) rows[slot] = i0 + u * kThreads + tid;
-      }
-    }
+    scan_pass<kScan>(p, lse, i0, r1, tid, lane, rows, &count);
   }
   cg::cluster_group cluster = cg::this_cluster();
   int n;
@@ -197,25 +230,7 @@ __global__ void __launch_bounds__(kThreads) split_keys(const Params p) {
     return;
   }
   // While the keys arrive: warp r takes row r's q, dO and delta = dO . O.
-  if (warp < n) {
-    const int row = rows_final[warp];
-    const uint16_t* qr = p.q + b * p.q_b + h * p.q_h + row * p.q_s;
-    const uint16_t* gr = p.go + b * p.go_b + h * p.go_h + row * p.go_s;
-    const uint16_t* orow = p.o + b * p.o_b + h * p.o_h + row * p.o_s;
-    float delta = 0.0f;
-    for (int d = lane; d < D; d += 32) {
-      const float g = bf(gr[d]);
-      qs[warp * D + d] = bf(qr[d]);
-      gs[warp * D + d] = g;
-      delta += g * bf(orow[d]);
-    }
-#pragma unroll
-    for (int m = 16; m >= 1; m >>= 1) delta += __shfl_xor_sync(0xffffffffu, delta, m);
-    if (lane == 0) {
-      deltas[warp] = delta;
-      lse2s[warp] = lse[row * p.lse_s] * 1.4426950408889634f;
-    }
-  }
+  if (warp < n) load_row<D>(p, b, h, rows_final[warp], warp, lane, lse, qs, gs, deltas, lse2s);
   asm volatile("cp.async.wait_all;\n" ::: "memory");
   __syncthreads();
 
@@ -319,6 +334,9 @@ __global__ void __launch_bounds__(kThreads) pipe_keys(const Params p) {
   const float* lse = p.lse + b * p.lse_b + h * p.lse_h;
   if (tid == 0) count = 0;
   __syncthreads();
+  // scan_pass<2 * kScan>, written out: through the helper nvcc 13.0 gives
+  // pipe_keys<128> other sm_90a code than runs Q3-Q4 measured (the other
+  // three kernels take the helpers with their code unchanged).
   for (int i0 = 0; i0 < p.s_q; i0 += kThreads * 2 * kScan) {
     float l[2 * kScan];
 #pragma unroll
@@ -363,25 +381,7 @@ __global__ void __launch_bounds__(kThreads) pipe_keys(const Params p) {
     if (s < n_blocks) issue(s);
     asm volatile("cp.async.commit_group;\n" ::);
   }
-  if (warp < n) {
-    const int row = rows[warp];
-    const uint16_t* qr = p.q + b * p.q_b + h * p.q_h + row * p.q_s;
-    const uint16_t* gr = p.go + b * p.go_b + h * p.go_h + row * p.go_s;
-    const uint16_t* orow = p.o + b * p.o_b + h * p.o_h + row * p.o_s;
-    float delta = 0.0f;
-    for (int d = lane; d < D; d += 32) {
-      const float g = bf(gr[d]);
-      qs[warp * D + d] = bf(qr[d]);
-      gs[warp * D + d] = g;
-      delta += g * bf(orow[d]);
-    }
-#pragma unroll
-    for (int m = 16; m >= 1; m >>= 1) delta += __shfl_xor_sync(0xffffffffu, delta, m);
-    if (lane == 0) {
-      deltas[warp] = delta;
-      lse2s[warp] = lse[row * p.lse_s] * 1.4426950408889634f;
-    }
-  }
+  if (warp < n) load_row<D>(p, b, h, rows[warp], warp, lane, lse, qs, gs, deltas, lse2s);
   const int sub = lane & (kLanesPerKey - 1), slot = lane >> 3;
   float acc[kMaxRows][DL];
 #pragma unroll
@@ -568,9 +568,7 @@ def accuracy(ext, c):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=30)
+    ap = probe_parser(__doc__)
     args = ap.parse_args()
     start("probe_split_keys.py")
     ext = extension()
@@ -579,12 +577,9 @@ def main():
             c = leaf_cell(cell, share)
 
             def form(max_cluster, mode):
-                def run(_):
-                    dq, _, _ = c.backward()
-                    ext.split_keys(dq, c.go, c.q, c.k, c.v, c.out, c.lse, c.bias, c.scale,
-                                   THRESHOLD, max_cluster, mode)
-                    return dq
-                return run
+                return c.then(lambda dq: ext.split_keys(dq, c.go, c.q, c.k, c.v, c.out, c.lse,
+                                                        c.bias, c.scale, THRESHOLD, max_cluster,
+                                                        mode))
 
             steps = {"landed": c.repaired}
             steps.update({name: form(*FORMS[name]) for name in VARIANTS})
@@ -601,15 +596,13 @@ def main():
         for share in (0.1, "all"):
             c = leaf_cell(cell, share)
 
-            def scan_then_landed(_):
-                dq, _, _ = c.backward()
+            def scan_then_repair(dq):
                 ext.split_keys(dq, c.go, c.q, c.k, c.v, c.out, c.lse, c.bias, c.scale, THRESHOLD,
                                *FORMS["pipe_scan"])
                 c.repair(dq)
-                return dq
 
             _, line = paired_added(cell, str(share), lambda _: c.backward(),
-                                   {"landed": c.repaired, "scan+landed": scan_then_landed},
+                                   {"landed": c.repaired, "scan+landed": c.then(scan_then_repair)},
                                    args.rounds, args.repeats)
             print(line, flush=True)
 

@@ -99,3 +99,23 @@ def test_row_stream_affected_rows_and_their_error():
     assert probe.worst_row_error(dq, picked, ref) == 0.0
     dq[1, 2, 5, 3] += 0.25 * ref[1].abs().max()
     assert probe.worst_row_error(dq, picked, ref) == pytest.approx(0.25)
+
+
+def test_leaf_cell_steps_run_the_backward_first():
+    """LeafCell.then(fn) and .repaired, the probes' timed steps: cuDNN's
+    backward, then the step's work on that backward's dQ, which it returns;
+    probe_parser gives every probe the same --rounds and --repeats."""
+    leaf_cells = load_script("leaf_cells.py")
+    z = torch.zeros(1)
+    cell = leaf_cells.LeafCell(z, z, z, z, None, z, z, z, z, 0.5)
+    calls = []
+    dq = torch.ones(3)
+    cell.backward = lambda plan=leaf_cells.PLAN_NONE: calls.append("backward") or (dq, z, z)
+    cell.repair = lambda x: calls.append(("repair", x is dq))
+    assert cell.repaired(None) is dq and calls == ["backward", ("repair", True)]
+    assert cell.repaired is cell.repaired  # one step object, built once
+    calls.clear()
+    assert cell.then(lambda x: calls.append(("other", x is dq)))() is dq
+    assert calls == ["backward", ("other", True)]
+    args = leaf_cells.probe_parser("What it probes.\n\nMore.", rounds=7).parse_args([])
+    assert (args.rounds, args.repeats) == (7, 30)
