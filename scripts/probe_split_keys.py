@@ -496,6 +496,9 @@ void split_keys(at::Tensor dq, at::Tensor go, at::Tensor q, at::Tensor k, at::Te
   p.mode = static_cast<int>(mode);
   if (max_cluster == 0) {  // pipe_keys: a block per head, 4 stages of 32 keys
     constexpr int kKeys = 32, kStages = 4;
+    // Its lanes past the keys of a last, partial stage would read shared
+    // memory no copy wrote (a NaN there makes 0 * NaN): whole stages only.
+    TORCH_CHECK(p.s_kv % kKeys == 0, "pipe_keys: the key length must be a multiple of ", kKeys);
     const size_t psmem = 2 * sizeof(uint16_t) * kStages * kKeys * D + sizeof(float) * D * (2 * kMaxRows + kWarps);
     auto pk = D == 128 ? pipe_keys<128, kKeys, kStages> : pipe_keys<64, kKeys, kStages>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(pk, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -21,6 +21,9 @@
 //                    programmatic stream serialization, griddepcontrol.wait)
 //   graph            tail(on) captured in a CUDA graph and replayed: the child
 //                    runs once per replayed call (a counter says)
+// The counts are checked: the program exits 1 when the child ran where it
+// should not or did not run where it should (run Q1 ran a first form that
+// printed one total over all three modes).
 //
 //   nvcc -O3 -arch=sm_90a -rdc=true scripts/probe_tail_launch.cu -lcudadevrt \
 //        -o build/probe_tail_launch && build/probe_tail_launch
@@ -188,16 +191,21 @@ int main() {
   }
 
   // ---- the child runs exactly once per call with the flag on, never with it off
+  int failures = 0;
   {
     CHECK(cudaMemset(b.counter, 0, 2 * sizeof(unsigned)));
-    for (int c = 0; c < 10; ++c) launch(kTailOn, b, grid, child_grid, s, flag_on, flag_off);
-    for (int c = 0; c < 10; ++c) launch(kTailOff, b, grid, child_grid, s, flag_on, flag_off);
-    for (int c = 0; c < 10; ++c) launch(kPdlTailOn, b, grid, child_grid, s, flag_on, flag_off);
-    CHECK(cudaStreamSynchronize(s));
-    unsigned got = 0;
-    CHECK(cudaMemcpy(&got, b.counter, sizeof(unsigned), cudaMemcpyDeviceToHost));
-    std::printf("\nchild runs after 10 tail(on) + 10 tail(off) + 10 pdl+tail(on): %u (expect 20)\n",
-                got);
+    const Mode modes[] = {kTailOn, kTailOff, kPdlTailOn};
+    const unsigned expect[] = {10, 10, 20};  // the count after each mode's 10 calls
+    std::printf("\n");
+    for (int mi = 0; mi < 3; ++mi) {
+      for (int c = 0; c < 10; ++c) launch(modes[mi], b, grid, child_grid, s, flag_on, flag_off);
+      CHECK(cudaStreamSynchronize(s));
+      unsigned got = 0;
+      CHECK(cudaMemcpy(&got, b.counter, sizeof(unsigned), cudaMemcpyDeviceToHost));
+      failures += got != expect[mi];
+      std::printf("child runs after 10 more %s calls: %u (expect %u)\n", kNames[modes[mi]], got,
+                  expect[mi]);
+    }
   }
 
   // ---- a CUDA graph of tail(on) calls
@@ -212,16 +220,19 @@ int main() {
     for (int c = 0; c < captured; ++c) launch(kPdlTailOn, b, grid, child_grid, s, flag_on, flag_off);
     const cudaError_t end = cudaStreamEndCapture(s, &g);
     if (end != cudaSuccess) {
+      ++failures;
       std::printf("graph: capture failed: %s\n", cudaGetErrorString(end));
     } else {
       const cudaError_t inst = cudaGraphInstantiate(&ge, g, 0);
       if (inst != cudaSuccess) {
+        ++failures;
         std::printf("graph: instantiate failed: %s\n", cudaGetErrorString(inst));
       } else {
         for (int r = 0; r < 3; ++r) CHECK(cudaGraphLaunch(ge, s));
         CHECK(cudaStreamSynchronize(s));
         unsigned got = 0;
         CHECK(cudaMemcpy(&got, b.counter, sizeof(unsigned), cudaMemcpyDeviceToHost));
+        failures += got != static_cast<unsigned>(6 * captured);
         std::printf("graph: %d captured calls (half pdl) replayed 3 times: child ran %u times "
                     "(expect %d)\n", 2 * captured, got, 6 * captured);
         CHECK(cudaGraphExecDestroy(ge));
@@ -252,6 +263,6 @@ int main() {
                 v.back());
   }
   CHECK(cudaGetLastError());
-  std::printf("\nok\n");
-  return 0;
+  std::printf("\n%s\n", failures == 0 ? "ok" : "FAILED: the child's runs (above)");
+  return failures == 0 ? 0 : 1;
 }

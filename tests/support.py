@@ -381,6 +381,9 @@ def _load_from(folder: str, name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name.rsplit(".", 1)[0],
                                                   os.path.join(folder, name))
     module = importlib.util.module_from_spec(spec)
+    # Registered before it runs, as an import would be: a dataclass under
+    # `from __future__ import annotations` looks its module up there.
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 

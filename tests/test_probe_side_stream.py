@@ -101,6 +101,20 @@ def test_row_stream_affected_rows_and_their_error():
     assert probe.worst_row_error(dq, picked, ref) == pytest.approx(0.25)
 
 
+def test_row_stream_affected_rows_spread_over_the_heads():
+    """With more affected rows than it checks, affected_rows takes every
+    k-th of them in (b, h, i) order, so the picked rows reach the last heads."""
+    probe = load_script("probe_row_stream.py")
+    B, H, s_q, s_kv, D = 2, 4, 10, 3, 8
+    lse = torch.full((B, H, s_q, 1), probe.THRESHOLD - 5.0)  # every row affected: 80
+    cell = SimpleNamespace(q=torch.randn(B, H, s_q, D), k=torch.randn(B, H, s_kv, D),
+                           v=torch.randn(B, H, s_kv, D), go=torch.randn(B, H, s_q, D),
+                           bias=None, scale=D ** -0.5, lse=lse)
+    low, picked, ref = probe.affected_rows(cell, at_most=8)
+    assert int(low.sum()) == 80 and len(picked) == 8 and ref.shape == (8, D)
+    assert picked[0] == [0, 0, 0] and picked[1] == [0, 1, 0] and picked[-1] == [1, 3, 0]
+
+
 def test_leaf_cell_steps_run_the_backward_first():
     """LeafCell.then(fn) and .repaired, the probes' timed steps: cuDNN's
     backward, then the step's work on that backward's dQ, which it returns;
@@ -110,12 +124,21 @@ def test_leaf_cell_steps_run_the_backward_first():
     cell = leaf_cells.LeafCell(z, z, z, z, None, z, z, z, z, 0.5)
     calls = []
     dq = torch.ones(3)
-    cell.backward = lambda plan=leaf_cells.PLAN_NONE: calls.append("backward") or (dq, z, z)
+
+    def backward(plan=leaf_cells.PLAN_NONE):
+        calls.append("backward" if plan == leaf_cells.PLAN_NONE else f"backward plan {plan}")
+        return dq, z, z
+
+    cell.backward = backward
     cell.repair = lambda x: calls.append(("repair", x is dq))
     assert cell.repaired(None) is dq and calls == ["backward", ("repair", True)]
     assert cell.repaired is cell.repaired  # one step object, built once
     calls.clear()
     assert cell.then(lambda x: calls.append(("other", x is dq)))() is dq
     assert calls == ["backward", ("other", True)]
-    args = leaf_cells.probe_parser("What it probes.\n\nMore.", rounds=7).parse_args([])
-    assert (args.rounds, args.repeats) == (7, 30)
+    parser = leaf_cells.probe_parser("What it probes.\n\nMore.", rounds=7, repeats=11)
+    assert parser.description == "What it probes."
+    args = parser.parse_args([])
+    assert (args.rounds, args.repeats) == (7, 11)
+    args = parser.parse_args(["--rounds", "2", "--repeats", "3"])
+    assert (args.rounds, args.repeats) == (2, 3)
