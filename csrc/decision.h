@@ -50,8 +50,9 @@ struct Stack {
 };
 
 // The stack of this process for this call: the runtime cuDNN, the device,
-// PyTorch's switches and its selector (called directly, not as an op, the
-// way at::scaled_dot_product_attention calls it).
+// PyTorch's switches and its selector (the op at::_fused_sdp_choice, called
+// with the Python dispatch keys excluded so that tracers do not record it;
+// decision.cpp says why).
 Decision decide(const SdpaCall& call, const Settings& settings);
 
 Decision decide(const SdpaCall& call, const Settings& settings, const Stack& stack);

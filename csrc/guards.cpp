@@ -164,7 +164,7 @@ bool key_tail_defect(long cudnn_version, int64_t s_kv, int64_t head_dim,
 }
 
 void warn_once(const GuardRule& rule) {
-  static std::array<std::once_flag, 16> flags;
+  static std::array<std::once_flag, kMaxGuardRules> flags;
   const auto index = static_cast<size_t>(&rule - table().data());
   TORCH_INTERNAL_ASSERT(index < table().size() && index < flags.size(),
                         "warn_once: not a row of the guard table");

@@ -2,9 +2,10 @@
 // defects, and what a differentiated call on the cuDNN path does about each.
 // A rule is one row: its versions, its condition, its fix and its source.
 // Adding a rule means adding a row (guards.cpp) and its test
-// (tests/cpp/test_guards.cpp); nothing else keeps count of the rows.
+// (tests/cpp/test_guards.cpp), within kMaxGuardRules rows.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -34,7 +35,8 @@ struct VersionRange {
 // What a rule does to a call it hits.
 enum class Fix {
   kAvoidCudnn,  // no fix on cuDNN: the call runs on PyTorch's next backend
-  kKeyTail,     // the key-tail dQ defect: repair the dQ rows (pad with dropout)
+  kKeyTail,     // the key-tail dQ defect: repair the dQ rows (pad the keys with
+                // dropout, or a value head_dim of its own)
   kPadQuery,    // the single-query-row dK/dV defect: pad the query to 2 rows
 };
 
@@ -53,6 +55,9 @@ struct GuardRule {
 
 // Every rule, in the order they are checked.
 const std::vector<GuardRule>& guard_rules();
+
+// warn_once keeps one flag per row, for at most this many rows.
+constexpr std::size_t kMaxGuardRules = 16;
 
 // The rules a differentiated call on `cudnn_version` hits, folded into one
 // plan under OPENWAM_SDPA_PAD=auto: `avoid` is set to the first kAvoidCudnn

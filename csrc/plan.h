@@ -11,10 +11,12 @@ namespace openwam {
 
 struct Plan {
   // Stock forward and backward, then the dQ rows with a very negative
-  // logsumexp are recomputed in fp32 (repair_dq.h): the key-tail defect.
+  // logsumexp are recomputed (repair_dq.h; on tensor cores with fp32
+  // accumulation, on the CPU an exact reference): the key-tail defect.
   bool repair_dq = false;
   // The backward runs on K/V zero-padded to a multiple of 128, the padded keys
-  // hidden by -inf (OPENWAM_SDPA_PAD=always): the key-tail defect.
+  // hidden by -inf (OPENWAM_SDPA_PAD=always, or a key-tail call whose value
+  // head_dim differs from the query's: guards.cpp): the key-tail defect.
   bool pad_keys_backward = false;
   // Forward and backward on padded K/V: with dropout the backward must see the
   // key length the forward's dropout pattern was drawn for.

@@ -35,8 +35,8 @@ TORCH_LIBRARY(openwam, m) {
   m.def(
       "pad_keys(Tensor key, Tensor value, Tensor? attn_mask=None, "
       "int multiple=128) -> (Tensor, Tensor, Tensor)");
-  // The dQ-row repair on its own (repair_dq.h): recomputes in fp32 the rows
-  // whose logsumexp lies below the overflow threshold of the key-tail defect.
+  // The dQ-row repair on its own (repair_dq.h): recomputes the rows whose
+  // logsumexp lies below the overflow threshold of the key-tail defect.
   m.def(
       "_repair_dq_(Tensor(a!) grad_query, Tensor grad_out, Tensor query, "
       "Tensor key, Tensor value, Tensor out, Tensor logsumexp, "

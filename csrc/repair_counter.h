@@ -9,10 +9,11 @@
 
 namespace openwam {
 
-// The device's counter (an int64 in device memory), allocated on first use.
-// nullptr while a CUDA graph is being captured on a device whose counter does
-// not exist yet (allocating then would tie it to the graph's memory pool):
-// such calls repair without counting.
+// The device's counter (an int64 in device memory), allocated on first use
+// (cudaMalloc, zeroed, then a synchronisation of the current stream).
+// nullptr while the current stream is capturing a CUDA graph on a device
+// whose counter does not exist yet (that stream can be neither zeroed
+// outside the graph nor synchronised): such calls repair without counting.
 int64_t* repaired_rows_counter(const c10::Device& device);
 
 // The sum of every device's counter (synchronises); zeroes them if `reset`.

@@ -148,9 +148,11 @@ OPENWAM_HD int ldsm_bt_chunk(int lane) { return lane >> 4; }
 // w = ceil(n / 64) tiles of work, the k-th holding its rows of ranks
 // 64 k .. 64 k + 63 (in row order), placed at item k s of the head with
 // s = tiles_per_head / w: spread over the head. Block b of G takes the
-// contiguous run of items b n / G .. (b + 1) n / G - 1: one to three heads
-// per block, whose logsumexp it reads once per head, and runs of equal
-// length, each holding its share of every head's work.
+// contiguous run of items b n / G .. (b + 1) n / G - 1: runs of equal
+// length, each holding its share of every head's work (one to three heads
+// per block at the share table's shapes, more where heads are short: at
+// least 5 at 64x32x32x200). The probe reads a run's logsumexp once; a head
+// with rows is read again by its count walk (repair_dq_scan.cuh).
 OPENWAM_HD int64_t item_head(int64_t item, int64_t tiles_per_head) { return item / tiles_per_head; }
 OPENWAM_HD int64_t item_tile(int64_t item, int64_t tiles_per_head) { return item % tiles_per_head; }
 

@@ -4,9 +4,10 @@
 // threshold; their rank is their position among them in row order. The
 // recompute takes them 64 ranks at a time (a head's k-th tile of work: ranks
 // 64 k .. 64 k + 63).
-//   - probe_heads: first, one pass over the logsumexp of all the heads of a
-//     block's run: which of them have a row to act on. The others are
-//     skipped.
+//   - probe_heads: first, one pass over the logsumexp of the first
+//     kProbeHeads (64) heads of a block's run: which of them have a row to
+//     act on. The others of those are skipped; heads past the 64th are
+//     always walked.
 // A block walks a head's logsumexp in rounds of kScanThreads *
 // kScanRowsPerThread rows, ranking the affected rows of a round with a
 // block-wide prefix sum:

@@ -23,8 +23,9 @@
 // Work: the grid is persistent (see tile_grid_size). The (head, tile) items,
 // head-major, are cut into one contiguous run per block, or per cluster of
 // two blocks on sm_90 (kCluster: launch_cluster, repair_dq_layout.cuh). A
-// block first probes the logsumexp of all of its run's heads at once
-// (probe_heads); for each head with a row to act on it counts the head's
+// block first probes the logsumexp of its run's heads at once (the first
+// kProbeHeads of them; probe_heads); for each head with a row to act on it
+// counts the head's
 // affected rows (repair_dq_scan.cuh) and recomputes those of its tiles that
 // have rows, gathering each tile's rows into shared memory first. In a
 // cluster both blocks count every head of the run and take its tiles in

@@ -87,6 +87,8 @@ TEST_CASE("guard_rules: the rows, in order", "[guards]") {
   CHECK(names == std::vector<std::string>{"bhsq1_backward_plan_segfault",
                                           "key_tail_nan_dq_9.19", "key_tail_nan_dq",
                                           "sq1_nan_dk_dv_9.19", "sq1_nan_dk_dv"});
+  // warn_once has a flag for every row only up to kMaxGuardRules.
+  CHECK(openwam::guard_rules().size() <= openwam::kMaxGuardRules);
 }
 
 TEST_CASE("guard_rules: every field filled in", "[guards]") {
