@@ -46,6 +46,8 @@ H200 (the kernels are built on the spot).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from leaf_cells import (  # puts benchmarks/ on the path
@@ -53,13 +55,18 @@ from leaf_cells import (  # puts benchmarks/ on the path
 from probe_row_stream import THRESHOLD, affected_rows, worst_row_error
 
 CELLS = ONE_ROW_OVER
-VARIANTS = ("split", "split16", "pipe", "pipe_scan", "pipe_read", "scan", "read")
+# variant -> split_keys's (max_cluster: 0 for pipe, else split's largest cluster;
+# mode: 0 the scan alone, 1 the repair, 2 the scan and the loads alone)
+FORMS = {"split": (8, 1), "split16": (16, 1), "pipe": (0, 1), "pipe_scan": (0, 0),
+         "pipe_read": (0, 2), "scan": (8, 0), "read": (8, 2)}
+VARIANTS = tuple(FORMS)
 
 SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
+#include "probe_row_params.h"
 
 namespace cg = cooperative_groups;
 
@@ -460,39 +467,14 @@ __global__ void __launch_bounds__(kThreads) pipe_keys(const Params p) {
   }
 }
 
-const uint16_t* bits(const at::Tensor& t) { return static_cast<const uint16_t*>(t.data_ptr()); }
-
 }  // namespace
 
 void split_keys(at::Tensor dq, at::Tensor go, at::Tensor q, at::Tensor k, at::Tensor v,
                 at::Tensor o, at::Tensor lse, c10::optional<at::Tensor> bias, double scale,
                 double threshold, int64_t max_cluster, int64_t mode) {
-  const int64_t D = q.size(3);
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && (D == 64 || D == 128), "bf16, D 64 or 128");
-  for (const at::Tensor* t : {&dq, &go, &q, &k, &v, &o}) TORCH_CHECK(t->stride(3) == 1);
   Params p{};
-  p.q = bits(q); p.k = bits(k); p.v = bits(v); p.o = bits(o); p.go = bits(go);
-  p.dq = static_cast<uint16_t*>(dq.data_ptr());
-  p.lse = lse.data_ptr<float>();
-  p.q_b = q.stride(0); p.q_h = q.stride(1); p.q_s = q.stride(2);
-  p.k_b = k.stride(0); p.k_h = k.stride(1); p.k_s = k.stride(2);
-  p.v_b = v.stride(0); p.v_h = v.stride(1); p.v_s = v.stride(2);
-  p.o_b = o.stride(0); p.o_h = o.stride(1); p.o_s = o.stride(2);
-  p.go_b = go.stride(0); p.go_h = go.stride(1); p.go_s = go.stride(2);
-  p.dq_b = dq.stride(0); p.dq_h = dq.stride(1); p.dq_s = dq.stride(2);
-  p.lse_b = lse.stride(0); p.lse_h = lse.stride(1); p.lse_s = lse.stride(2);
-  p.H = static_cast<int>(q.size(1));
-  p.kv_group = static_cast<int>(q.size(1) / k.size(1));
-  p.s_q = static_cast<int>(q.size(2));
-  p.s_kv = static_cast<int>(k.size(2));
-  if (bias.has_value() && bias->defined()) {
-    const at::Tensor e = bias->expand({q.size(0), q.size(1), q.size(2), k.size(2)});
-    p.bias = bits(*bias);
-    p.bias_b = e.stride(0); p.bias_h = e.stride(1); p.bias_s = e.stride(2); p.bias_e = e.stride(3);
-  }
-  p.scale = static_cast<float>(scale);
-  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-  p.threshold = static_cast<float>(threshold);
+  probe::fill_row_params(p, dq, go, q, k, v, o, lse, bias, scale, threshold);
+  const int64_t D = q.size(3);
   p.mode = static_cast<int>(mode);
   if (max_cluster == 0) {  // pipe_keys: a block per head, 4 stages of 32 keys
     constexpr int kKeys = 32, kStages = 4;
@@ -544,13 +526,14 @@ def extension():
                     "at::Tensor v, at::Tensor o, at::Tensor lse, c10::optional<at::Tensor> bias, "
                     "double scale, double threshold, int64_t max_cluster, int64_t mode);",
         cuda_sources=SOURCE, functions=["split_keys"],
+        extra_include_paths=[str(Path(__file__).resolve().parent)],
         extra_cuda_cflags=["-O3", "-Xptxas=-v"], verbose=True)
 
 
-# variant -> split_keys's (max_cluster: 0 for pipe, else split's largest cluster;
-# mode: 0 the scan alone, 1 the repair, 2 the scan and the loads alone)
-FORMS = {"split": (8, 1), "split16": (16, 1), "pipe": (0, 1), "pipe_scan": (0, 0),
-         "pipe_read": (0, 2), "scan": (8, 0), "read": (8, 2)}
+def run_form(ext, c, dq, name):
+    """The variant `name` (FORMS) on cell c's dq, in place."""
+    ext.split_keys(dq, c.go, c.q, c.k, c.v, c.out, c.lse, c.bias, c.scale, THRESHOLD,
+                   *FORMS[name])
 
 
 def accuracy(ext, c):
@@ -559,15 +542,14 @@ def accuracy(ext, c):
     got = {"landed": dq0.clone(), "split": dq0.clone(), "pipe": dq0.clone()}
     c.repair(got["landed"])
     for name in ("split", "pipe"):
-        ext.split_keys(got[name], c.go, c.q, c.k, c.v, c.out, c.lse, c.bias, c.scale, THRESHOLD,
-                       *FORMS[name])
+        run_form(ext, c, got[name], name)
     torch.cuda.synchronize()
     low, picked, ref = affected_rows(c)
     untouched = all(torch.equal(x[~low], dq0[~low]) for x in got.values())
     errors = ", ".join(f"{n} {worst_row_error(x, picked, ref):.3e}" for n, x in got.items())
     bad = ", ".join(f"{n} {int((~x.isfinite()).sum())}" for n, x in got.items())
-    return (f"  rows below threshold {int(low.sum())}; worst row error vs float64 over {len(picked)} "
-            f"rows: {errors}; non-finite: {bad}; other rows untouched: {untouched}")
+    return (f"  rows below threshold {int(low.sum())}; worst row error vs float64 over "
+            f"{len(picked)} rows: {errors}; non-finite: {bad}; other rows untouched: {untouched}")
 
 
 def main():
@@ -579,13 +561,11 @@ def main():
         for share in ("none", "one_per_head"):
             c = leaf_cell(cell, share)
 
-            def form(max_cluster, mode):
-                return c.then(lambda dq: ext.split_keys(dq, c.go, c.q, c.k, c.v, c.out, c.lse,
-                                                        c.bias, c.scale, THRESHOLD, max_cluster,
-                                                        mode))
+            def form(name):
+                return c.then(lambda dq: run_form(ext, c, dq, name))
 
             steps = {"landed": c.repaired}
-            steps.update({name: form(*FORMS[name]) for name in VARIANTS})
+            steps.update({name: form(name) for name in VARIANTS})
             _, line = paired_added(cell, share, lambda _: c.backward(), steps, args.rounds,
                                    args.repeats)
             print(line, flush=True)
@@ -600,8 +580,7 @@ def main():
             c = leaf_cell(cell, share)
 
             def scan_then_repair(dq):
-                ext.split_keys(dq, c.go, c.q, c.k, c.v, c.out, c.lse, c.bias, c.scale, THRESHOLD,
-                               *FORMS["pipe_scan"])
+                run_form(ext, c, dq, "pipe_scan")
                 c.repair(dq)
 
             _, line = paired_added(cell, str(share), lambda _: c.backward(),

@@ -142,3 +142,20 @@ def test_leaf_cell_steps_run_the_backward_first():
     assert (args.rounds, args.repeats) == (7, 11)
     args = parser.parse_args(["--rounds", "2", "--repeats", "3"])
     assert (args.rounds, args.repeats) == (2, 3)
+
+
+def test_split_keys_forms_reach_the_kernel_with_their_arguments():
+    """probe_split_keys' timed variants are its FORMS, in order, and run_form
+    hands each one's (max_cluster, mode) to split_keys after the cell's
+    tensors, scale and the repair's threshold."""
+    probe = load_script("probe_split_keys.py")
+    assert probe.VARIANTS == ("split", "split16", "pipe", "pipe_scan", "pipe_read", "scan",
+                              "read")
+    seen = []
+    ext = SimpleNamespace(split_keys=lambda *args: seen.append(args))
+    c = SimpleNamespace(go="go", q="q", k="k", v="v", out="out", lse="lse", bias=None,
+                        scale=0.125)
+    for name in ("split16", "pipe_read"):
+        probe.run_form(ext, c, "dq", name)
+    assert seen == [("dq", "go", "q", "k", "v", "out", "lse", None, 0.125, probe.THRESHOLD, 16, 1),
+                    ("dq", "go", "q", "k", "v", "out", "lse", None, 0.125, probe.THRESHOLD, 0, 2)]
