@@ -55,11 +55,15 @@ from leaf_cells import (  # puts benchmarks/ on the path
 from probe_row_stream import THRESHOLD, affected_rows, worst_row_error
 
 CELLS = ONE_ROW_OVER
-# variant -> split_keys's (max_cluster: 0 for pipe, else split's largest cluster;
+# variant -> split_keys's (engine: 0 split_keys, 1 pipe_keys, 2 reg_keys, 3 reg_keys
+# with its first stages issued before the scan; max_cluster: split's largest cluster;
 # mode: 0 the scan alone, 1 the repair, 2 the scan and the loads alone)
-FORMS = {"split": (8, 1), "split16": (16, 1), "pipe": (0, 1), "pipe_scan": (0, 0),
-         "pipe_read": (0, 2), "scan": (8, 0), "read": (8, 2)}
+FORMS = {"split": (0, 8, 1), "split16": (0, 16, 1), "pipe": (1, 0, 1), "pipe_scan": (1, 0, 0),
+         "pipe_read": (1, 0, 2), "scan": (0, 8, 0), "read": (0, 8, 2), "reg": (2, 0, 1),
+         "reg_early": (3, 0, 1)}
 VARIANTS = tuple(FORMS)
+# The forms that write repaired rows (mode 1), whose accuracy is checked.
+REPAIRS = tuple(name for name, (_, _, mode) in FORMS.items() if mode == 1)
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -74,6 +78,7 @@ namespace {
 
 constexpr int kWarps = 4, kThreads = 32 * kWarps, kMaxRows = 4, kLanesPerKey = 8, kScan = 4;
 enum Mode { kScanOnly = 0, kCompute = 1, kRead = 2 };
+enum Engine { kEngineSplit = 0, kEnginePipe = 1, kEngineReg = 2, kEngineRegEarly = 3 };
 
 struct Params {
   const uint16_t *q, *k, *v, *o, *go, *bias;
@@ -467,16 +472,192 @@ __global__ void __launch_bounds__(kThreads) pipe_keys(const Params p) {
   }
 }
 
+// pipe_keys with three changes (runs R1-R2): the rows' q and dO in
+// registers, where pipe re-reads them from shared memory at every key (at
+// head_dim 128 four times the shared-memory wavefronts of the keys
+// themselves, about 17 us of one SM's shared-memory pipe at 704x704: pipe's
+// 13 us over its loads alone); each thread's bias values of a stage loaded
+// before the stage is waited for; and lanes of keys past s_kv take zero keys
+// (no whole-stage restriction). kEarly issues the first kStages - 1 stages
+// before the scan (a head without rows then waits for them and leaves: on
+// ordinary data that is their bandwidth, 16 KB a head at head_dim 128). At
+// most R rows a head (a light kernel would leave heads of more to the tiles).
+template <int D, int kKeys, int kStages, int R, bool kEarly>
+__global__ void __launch_bounds__(kThreads, 3) reg_keys(const Params p) {
+  constexpr int DL = D / kLanesPerKey;
+  constexpr int kPieces = D / 8;
+  constexpr int kStage = kKeys * D;
+  constexpr int kSteps = kKeys / (4 * kWarps);  // a warp's 4-key steps in a stage
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint16_t* ks = reinterpret_cast<uint16_t*>(smem);            // [kStages][kKeys][D]
+  uint16_t* vs = ks + kStages * kStage;                         // [kStages][kKeys][D]
+  float* qs = reinterpret_cast<float*>(vs + kStages * kStage);  // [kMaxRows][D]
+  float* gs = qs + kMaxRows * D;                                // [kMaxRows][D]
+  float* wpart = gs + kMaxRows * D;                             // [kWarps][D]
+  __shared__ int rows[kMaxRows];
+  __shared__ float lse2s[kMaxRows], deltas[kMaxRows];
+  __shared__ int count;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int bh = static_cast<int>(blockIdx.x);
+  const int b = bh / p.H, h = bh % p.H, hk = h / p.kv_group;
+  const float* lse = p.lse + b * p.lse_b + h * p.lse_h;
+  const uint16_t* k_head = p.k + b * p.k_b + hk * p.k_h;
+  const uint16_t* v_head = p.v + b * p.v_b + hk * p.v_h;
+  const int n_blocks = (p.s_kv + kKeys - 1) / kKeys;
+  auto issue = [&](int kb) {
+    const int k0 = kb * kKeys, nk = min(kKeys, p.s_kv - k0);
+    uint16_t* kd = ks + (kb % kStages) * kStage;
+    uint16_t* vd = vs + (kb % kStages) * kStage;
+    for (int idx = tid; idx < nk * kPieces; idx += kThreads) {
+      const int j = idx / kPieces, piece = idx - j * kPieces;
+      cp_async_16(kd + j * D + piece * 8, k_head + (k0 + j) * p.k_s + piece * 8);
+      cp_async_16(vd + j * D + piece * 8, v_head + (k0 + j) * p.v_s + piece * 8);
+    }
+  };
+  auto prologue = [&]() {
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < n_blocks) issue(s);
+      asm volatile("cp.async.commit_group;\n" ::);
+    }
+  };
+  if (kEarly) prologue();
+  if (tid == 0) count = 0;
+  __syncthreads();
+  for (int i0 = 0; i0 < p.s_q; i0 += kThreads * 2 * kScan) {
+    scan_pass<2 * kScan>(p, lse, i0, p.s_q, tid, lane, rows, &count);
+  }
+  __syncthreads();
+  const int n = min(count, R);
+  if (n == 0) {
+    if (kEarly) asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+  if (!kEarly) prologue();
+  if (warp < n) load_row<D>(p, b, h, rows[warp], warp, lane, lse, qs, gs, deltas, lse2s);
+  __syncthreads();
+  const int sub = lane & (kLanesPerKey - 1), slot = lane >> 3;
+  float q[R][DL], g[R][DL], acc[R][DL], lse2[R], delta[R];
+  const uint16_t* bias_row[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int e = 0; e < DL; ++e) {
+      const int d = (e / 8) * 64 + sub * 8 + (e % 8);
+      q[r][e] = r < n ? qs[r * D + d] : 0.0f;
+      g[r][e] = r < n ? gs[r * D + d] : 0.0f;
+      acc[r][e] = 0.0f;
+    }
+    lse2[r] = r < n ? lse2s[r] : 0.0f;
+    delta[r] = r < n ? deltas[r] : 0.0f;
+    bias_row[r] = p.bias && r < n ? p.bias + b * p.bias_b + h * p.bias_h + rows[r] * p.bias_s
+                                  : nullptr;
+  }
+  for (int kb = 0; kb < n_blocks; ++kb) {
+    const int k0 = kb * kKeys;
+    float bias_j[R][kSteps];  // loaded before the wait: its round trip hides behind it
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int t = 0; t < kSteps; ++t) {
+        const int key = k0 + t * 4 * kWarps + warp * 4 + slot;
+        bias_j[r][t] = bias_row[r] && key < p.s_kv
+                           ? bf(bias_row[r][key * p.bias_e]) * 1.4426950408889634f : 0.0f;
+      }
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
+    __syncthreads();  // stage kb landed for all; stage kb - 1 computed by all
+    if (kb + kStages - 1 < n_blocks) issue(kb + kStages - 1);
+    asm volatile("cp.async.commit_group;\n" ::);
+    const uint16_t* kc = ks + (kb % kStages) * kStage;
+    const uint16_t* vc = vs + (kb % kStages) * kStage;
+#pragma unroll
+    for (int t = 0; t < kSteps; ++t) {
+      const int j = t * 4 * kWarps + warp * 4 + slot;
+      const bool valid = k0 + j < p.s_kv;
+      float kf[DL], vf[DL];
+#pragma unroll
+      for (int e = 0; e < DL; e += 8) {
+        unpack8(kc + j * D + (e / 8) * 64 + sub * 8, kf + e);
+        unpack8(vc + j * D + (e / 8) * 64 + sub * 8, vf + e);
+      }
+#pragma unroll
+      for (int e = 0; e < DL; ++e) {  // shared memory no copy wrote: zero keys
+        kf[e] = valid ? kf[e] : 0.0f;
+        vf[e] = valid ? vf[e] : 0.0f;
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float s0 = 0.0f, s1 = 0.0f, dp0 = 0.0f, dp1 = 0.0f;  // two chains each
+#pragma unroll
+        for (int e = 0; e < DL; e += 2) {
+          s0 += q[r][e] * kf[e];
+          s1 += q[r][e + 1] * kf[e + 1];
+          dp0 += g[r][e] * vf[e];
+          dp1 += g[r][e + 1] * vf[e + 1];
+        }
+        float s = s0 + s1, dp = dp0 + dp1;
+#pragma unroll
+        for (int m = 1; m < kLanesPerKey; m <<= 1) {
+          s += __shfl_xor_sync(0xffffffffu, s, m);
+          dp += __shfl_xor_sync(0xffffffffu, dp, m);
+        }
+        const float ds = valid && r < n
+                             ? exp2f(s * p.scale_log2 + bias_j[r][t] - lse2[r]) * (dp - delta[r])
+                             : 0.0f;
+#pragma unroll
+        for (int e = 0; e < DL; ++e) acc[r][e] += ds * kf[e];
+      }
+    }
+  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (r >= n) break;
+#pragma unroll
+    for (int e = 0; e < DL; ++e) {
+      acc[r][e] += __shfl_xor_sync(0xffffffffu, acc[r][e], 8);
+      acc[r][e] += __shfl_xor_sync(0xffffffffu, acc[r][e], 16);
+    }
+    __syncthreads();  // wpart free
+    if (slot == 0) {
+#pragma unroll
+      for (int e = 0; e < DL; ++e) wpart[warp * D + (e / 8) * 64 + sub * 8 + (e % 8)] = acc[r][e];
+    }
+    __syncthreads();
+    for (int d = tid; d < D; d += kThreads) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) sum += wpart[w * D + d];
+      const __nv_bfloat16 y = __float2bfloat16(sum * p.scale);
+      p.dq[b * p.dq_b + h * p.dq_h + rows[r] * p.dq_s + d] = *reinterpret_cast<const uint16_t*>(&y);
+    }
+  }
+}
+
 }  // namespace
 
 void split_keys(at::Tensor dq, at::Tensor go, at::Tensor q, at::Tensor k, at::Tensor v,
                 at::Tensor o, at::Tensor lse, c10::optional<at::Tensor> bias, double scale,
-                double threshold, int64_t max_cluster, int64_t mode) {
+                double threshold, int64_t engine, int64_t max_cluster, int64_t mode) {
   Params p{};
   probe::fill_row_params(p, dq, go, q, k, v, o, lse, bias, scale, threshold);
   const int64_t D = q.size(3);
   p.mode = static_cast<int>(mode);
-  if (max_cluster == 0) {  // pipe_keys: a block per head, 4 stages of 32 keys
+  if (engine == kEngineReg || engine == kEngineRegEarly) {  // reg_keys: as pipe_keys, one row
+    constexpr int kKeys = 32, kStages = 4, kRows = 1;
+    TORCH_CHECK(mode == kCompute, "reg_keys: the repair only");
+    const size_t rsmem = 2 * sizeof(uint16_t) * kStages * kKeys * D + sizeof(float) * D * (2 * kMaxRows + kWarps);
+    const bool early = engine == kEngineRegEarly;
+    auto rk = D == 128 ? (early ? reg_keys<128, kKeys, kStages, kRows, true> : reg_keys<128, kKeys, kStages, kRows, false>)
+                       : (early ? reg_keys<64, kKeys, kStages, kRows, true> : reg_keys<64, kKeys, kStages, kRows, false>);
+    C10_CUDA_CHECK(cudaFuncSetAttribute(rk, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(rsmem)));
+    rk<<<static_cast<unsigned>(q.size(0) * q.size(1)), kThreads, rsmem,
+         at::cuda::getCurrentCUDAStream()>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  if (engine == kEnginePipe) {  // pipe_keys: a block per head, 4 stages of 32 keys
     constexpr int kKeys = 32, kStages = 4;
     // Its lanes past the keys of a last, partial stage would read shared
     // memory no copy wrote (a NaN there makes 0 * NaN): whole stages only.
@@ -490,6 +671,7 @@ void split_keys(at::Tensor dq, at::Tensor go, at::Tensor q, at::Tensor k, at::Te
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
+  TORCH_CHECK(engine == kEngineSplit, "unknown engine ", engine);
   p.cluster = static_cast<int>(std::min<int64_t>(max_cluster, (p.s_kv + 63) / 64));
   p.chunk = ((p.s_kv + p.cluster - 1) / p.cluster + 7) / 8 * 8;
   const size_t smem = 2 * sizeof(uint16_t) * p.chunk * D + sizeof(float) * D * (3 * kMaxRows + kWarps);
@@ -524,7 +706,8 @@ def extension():
         "probe_split_keys_ext",
         cpp_sources="void split_keys(at::Tensor dq, at::Tensor go, at::Tensor q, at::Tensor k, "
                     "at::Tensor v, at::Tensor o, at::Tensor lse, c10::optional<at::Tensor> bias, "
-                    "double scale, double threshold, int64_t max_cluster, int64_t mode);",
+                    "double scale, double threshold, int64_t engine, int64_t max_cluster, "
+                    "int64_t mode);",
         cuda_sources=SOURCE, functions=["split_keys"],
         extra_include_paths=[str(Path(__file__).resolve().parent)],
         extra_cuda_cflags=["-O3", "-Xptxas=-v"], verbose=True)
@@ -536,12 +719,12 @@ def run_form(ext, c, dq, name):
                    *FORMS[name])
 
 
-def accuracy(ext, c):
-    """The repaired rows of the landed repair, split and pipe against float64."""
+def accuracy(ext, c, names=REPAIRS):
+    """The repaired rows of the landed repair and of the forms `names` against float64."""
     dq0, _, _ = c.backward()
-    got = {"landed": dq0.clone(), "split": dq0.clone(), "pipe": dq0.clone()}
+    got = {"landed": dq0.clone(), **{name: dq0.clone() for name in names}}
     c.repair(got["landed"])
-    for name in ("split", "pipe"):
+    for name in names:
         run_form(ext, c, got[name], name)
     torch.cuda.synchronize()
     low, picked, ref = affected_rows(c)
@@ -554,23 +737,35 @@ def accuracy(ext, c):
 
 def main():
     ap = probe_parser(__doc__)
+    ap.add_argument("--forms", default=",".join(VARIANTS),
+                    help="the forms to time, comma-separated (default: all of FORMS)")
+    ap.add_argument("--shares", default="none,one_per_head",
+                    help="the shares of the first section (default: none,one_per_head)")
+    ap.add_argument("--no-tiles", action="store_true",
+                    help="skip the last section (10%% and every row after pipe's scan)")
     args = ap.parse_args()
+    forms = args.forms.split(",")
+    unknown = sorted(set(forms) - set(FORMS))
+    if unknown:
+        ap.error(f"unknown forms {unknown}; FORMS has {list(FORMS)}")
     start("probe_split_keys.py")
     ext = extension()
     for cell in CELLS:
-        for share in ("none", "one_per_head"):
+        for share in args.shares.split(","):
             c = leaf_cell(cell, share)
 
             def form(name):
                 return c.then(lambda dq: run_form(ext, c, dq, name))
 
             steps = {"landed": c.repaired}
-            steps.update({name: form(name) for name in VARIANTS})
+            steps.update({name: form(name) for name in forms})
             _, line = paired_added(cell, share, lambda _: c.backward(), steps, args.rounds,
                                    args.repeats)
             print(line, flush=True)
             if share != "none":
-                print(accuracy(ext, c), flush=True)
+                print(accuracy(ext, c, [f for f in forms if f in REPAIRS]), flush=True)
+    if args.no_tiles:
+        return
     # Where a head has more rows than a light kernel takes, the tiles still run:
     # after the light kernel's scan (here pipe's, then the landed repair as a
     # plain second launch; a tail launch from the device adds about 3.7 us more,
