@@ -95,11 +95,13 @@ def probe_parser(doc, rounds=5, repeats=30):
     return ap
 
 
-def leaf_cell(cell, share):
+def leaf_cell(cell, share, layout="bshd"):
+    """Cell `cell`'s inputs at `share` (BSHD storage as the share table, or "bhsd":
+    each head's rows contiguous) and its forward's outputs."""
     from openwam_sdpa.adversarial import adversarial_inputs
 
     B, H, s_q, s_kv, mask, D = cell
-    a = adversarial_inputs(B, H, s_q, s_kv, D, rows=share, layout="bshd", device="cuda", seed=1)
+    a = adversarial_inputs(B, H, s_q, s_kv, D, rows=share, layout=layout, device="cuda", seed=1)
     bias = key_mask_bias(B, s_q, s_kv, a.query.dtype, "cuda") if mask == "bool" else None
     out, lse, seed, offset = torch.ops.openwam._cudnn_sdpa(a.query, a.key, a.value, bias, 0.0,
                                                            False, None, True, 0)

@@ -25,22 +25,35 @@ lanes, the keys' contributions over the warp.
 - controls: scan, pipe_scan (the scan alone: every head leaves after it) and
   read, pipe_read (the scan, then every block loads its keys whatever it
   found, and nothing else).
+- reg (runs R1-R8, thirteenth session): pipe with the row's q and dO in
+  registers (pipe re-read them from shared memory at every key: at head_dim
+  128 four times the shared-memory wavefronts of the keys), one row a head
+  (heads of more rows left alone, as a light kernel would leave them to the
+  tiles); reg_early issues its first stages before the scan; reg_tileocc runs
+  at the landed kernel's blocks per SM (2 at head_dim 128, 3 at 64: what a
+  path inside that kernel's launch would get); reg_occ at 6 blocks per SM at
+  head_dim 64 (as reg at 128); reg_pdl is reg_occ launched as the
+  programmatic dependent of cuDNN's last kernel, as the op launches its
+  repair.
 
 Then, at 10% and every row (heads of more rows than a light kernel takes),
-what the landed repair adds after the backward alone and after pipe's scan
-(a light kernel's cost where the tiles must still run; a tail launch from
-the device adds about 3.7 us more than the second host launch timed here,
-scripts/probe_tail_launch.cu).
+what the landed repair adds after the backward alone and after a light
+kernel (--light: pipe's scan by default, or reg_occ, which leaves those heads
+after its scan): a light kernel's cost where the tiles must still run; a
+tail launch from the device adds about 3.7 us more than the second host
+launch timed here (scripts/probe_tail_launch.cu).
 
 No -inf rows, no causal mask, no centring (bf16 only, as probe_row_stream.py);
-plain launches (inside the op the repair's programmatic launch saves 1.3-2.6
-us more, M2).
+plain launches but reg_pdl (inside the op the repair's programmatic launch
+saves 1.3-2.6 us more, M2).
 
-    python scripts/probe_split_keys.py [--rounds 5] [--repeats 30]
+    python scripts/probe_split_keys.py [--rounds 5] [--repeats 30] [--forms reg,reg_pdl]
+        [--shares none,one_per_head] [--cells 704] [--layout bhsd]
+        [--light reg_occ] [--tile-shares 0.1,all] [--no-tiles]
 
 It prints, in paired rounds of device time, what each form adds to cuDNN's
-backward, the repaired rows' accuracy against float64 (landed, split and
-pipe) and whether every other dQ row is untouched. About two minutes on one
+backward, the repaired rows' accuracy against float64 (the landed repair and
+every timed form that repairs) and whether every other dQ row is untouched. About two minutes on one
 H200 (the kernels are built on the spot).
 """
 
@@ -56,11 +69,15 @@ from probe_row_stream import THRESHOLD, affected_rows, worst_row_error
 
 CELLS = ONE_ROW_OVER
 # variant -> split_keys's (engine: 0 split_keys, 1 pipe_keys, 2 reg_keys, 3 reg_keys
-# with its first stages issued before the scan; max_cluster: split's largest cluster;
+# with its first stages issued before the scan, 4 reg_keys at the landed kernel's
+# blocks per SM, 5 reg_keys at 6 blocks per SM at head_dim 64 (as 2 at 128), 6 reg_occ
+# launched as the programmatic dependent of cuDNN's last kernel (as the op's repair);
+# max_cluster: split's largest cluster;
 # mode: 0 the scan alone, 1 the repair, 2 the scan and the loads alone)
 FORMS = {"split": (0, 8, 1), "split16": (0, 16, 1), "pipe": (1, 0, 1), "pipe_scan": (1, 0, 0),
          "pipe_read": (1, 0, 2), "scan": (0, 8, 0), "read": (0, 8, 2), "reg": (2, 0, 1),
-         "reg_early": (3, 0, 1)}
+         "reg_early": (3, 0, 1), "reg_tileocc": (4, 0, 1), "reg_occ": (5, 0, 1),
+         "reg_pdl": (6, 0, 1)}
 VARIANTS = tuple(FORMS)
 # The forms that write repaired rows (mode 1), whose accuracy is checked.
 REPAIRS = tuple(name for name, (_, _, mode) in FORMS.items() if mode == 1)
@@ -78,7 +95,8 @@ namespace {
 
 constexpr int kWarps = 4, kThreads = 32 * kWarps, kMaxRows = 4, kLanesPerKey = 8, kScan = 4;
 enum Mode { kScanOnly = 0, kCompute = 1, kRead = 2 };
-enum Engine { kEngineSplit = 0, kEnginePipe = 1, kEngineReg = 2, kEngineRegEarly = 3 };
+enum Engine { kEngineSplit = 0, kEnginePipe = 1, kEngineReg = 2, kEngineRegEarly = 3,
+              kEngineRegTileOcc = 4, kEngineRegOcc = 5, kEngineRegPdl = 6 };
 
 struct Params {
   const uint16_t *q, *k, *v, *o, *go, *bias;
@@ -480,10 +498,13 @@ __global__ void __launch_bounds__(kThreads) pipe_keys(const Params p) {
 // before the stage is waited for; and lanes of keys past s_kv take zero keys
 // (no whole-stage restriction). kEarly issues the first kStages - 1 stages
 // before the scan (a head without rows then waits for them and leaves: on
-// ordinary data that is their bandwidth, 16 KB a head at head_dim 128). At
-// most R rows a head (a light kernel would leave heads of more to the tiles).
-template <int D, int kKeys, int kStages, int R, bool kEarly>
-__global__ void __launch_bounds__(kThreads, 3) reg_keys(const Params p) {
+// ordinary data that is their bandwidth, 16 KB a head at head_dim 128). A
+// head of more than R rows is left alone, as a light kernel would leave it to
+// the tiles (runs R1-R4 took min(count, R) rows; with one row per head the
+// same work; R5's first form repaired R rows of every head at 10% and every
+// row, R6 leaves them).
+template <int D, int kKeys, int kStages, int R, bool kEarly, int kMinBlocks = 3, bool kPdl = false>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) reg_keys(const Params p) {
   constexpr int DL = D / kLanesPerKey;
   constexpr int kPieces = D / 8;
   constexpr int kStage = kKeys * D;
@@ -528,7 +549,7 @@ __global__ void __launch_bounds__(kThreads, 3) reg_keys(const Params p) {
     scan_pass<2 * kScan>(p, lse, i0, p.s_q, tid, lane, rows, &count);
   }
   __syncthreads();
-  const int n = min(count, R);
+  const int n = count <= R ? count : 0;  // heads of more rows: left to the tiles
   if (n == 0) {
     if (kEarly) asm volatile("cp.async.wait_all;\n" ::: "memory");
     return;
@@ -610,6 +631,9 @@ __global__ void __launch_bounds__(kThreads, 3) reg_keys(const Params p) {
     }
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");
+  // kPdl: launched as the programmatic dependent of cuDNN's last kernel, which
+  // writes dQ: wait for it before the rows are written (as the landed repair).
+  if (kPdl) asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     if (r >= n) break;
@@ -643,13 +667,42 @@ void split_keys(at::Tensor dq, at::Tensor go, at::Tensor q, at::Tensor k, at::Te
   probe::fill_row_params(p, dq, go, q, k, v, o, lse, bias, scale, threshold);
   const int64_t D = q.size(3);
   p.mode = static_cast<int>(mode);
-  if (engine == kEngineReg || engine == kEngineRegEarly) {  // reg_keys: as pipe_keys, one row
+  if (engine >= kEngineReg && engine <= kEngineRegPdl) {  // reg_keys: as pipe_keys, one row
     constexpr int kKeys = 32, kStages = 4, kRows = 1;
     TORCH_CHECK(mode == kCompute, "reg_keys: the repair only");
-    const size_t rsmem = 2 * sizeof(uint16_t) * kStages * kKeys * D + sizeof(float) * D * (2 * kMaxRows + kWarps);
+    size_t rsmem = 2 * sizeof(uint16_t) * kStages * kKeys * D + sizeof(float) * D * (2 * kMaxRows + kWarps);
+    if (engine == kEngineRegTileOcc) {
+      // The landed kernel's blocks per SM (kTileBlocksPerSm: 2 at head_dim
+      // 128, 3 at 64), set by shared memory: what a light path inside that
+      // kernel's launch would get.
+      const size_t per_sm = 227 * 1024, blocks = D == 128 ? 2 : 3;
+      rsmem = std::max(rsmem, per_sm / blocks - 2048);
+    }
     const bool early = engine == kEngineRegEarly;
     auto rk = D == 128 ? (early ? reg_keys<128, kKeys, kStages, kRows, true> : reg_keys<128, kKeys, kStages, kRows, false>)
                        : (early ? reg_keys<64, kKeys, kStages, kRows, true> : reg_keys<64, kKeys, kStages, kRows, false>);
+    // reg_occ: 6 blocks per SM at head_dim 64 (every head of 360x64 resident at once), as reg at 128.
+    if (engine == kEngineRegOcc && D == 64) rk = reg_keys<64, kKeys, kStages, kRows, false, 6>;
+    if (engine == kEngineRegPdl) {
+      // reg_occ as the programmatic dependent of the kernel ahead of it on the
+      // stream (cuDNN's last), as the op launches the landed repair.
+      rk = D == 128 ? reg_keys<128, kKeys, kStages, kRows, false, 3, true>
+                    : reg_keys<64, kKeys, kStages, kRows, false, 6, true>;
+      C10_CUDA_CHECK(cudaFuncSetAttribute(rk, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(rsmem)));
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(static_cast<unsigned>(q.size(0) * q.size(1)));
+      cfg.blockDim = dim3(kThreads);
+      cfg.dynamicSmemBytes = rsmem;
+      cfg.stream = at::cuda::getCurrentCUDAStream();
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[0].val.programmaticStreamSerializationAllowed = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, rk, p));
+      return;
+    }
     C10_CUDA_CHECK(cudaFuncSetAttribute(rk, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(rsmem)));
     rk<<<static_cast<unsigned>(q.size(0) * q.size(1)), kThreads, rsmem,
@@ -742,17 +795,30 @@ def main():
     ap.add_argument("--shares", default="none,one_per_head",
                     help="the shares of the first section (default: none,one_per_head)")
     ap.add_argument("--no-tiles", action="store_true",
-                    help="skip the last section (10%% and every row after pipe's scan)")
+                    help="skip the last section (10%% and every row after a light kernel)")
+    ap.add_argument("--light", default="pipe_scan",
+                    help="the light kernel of the last section, a form of FORMS (default "
+                         "pipe_scan, the scan alone; reg_occ leaves heads of more than one "
+                         "row after its scan)")
+    ap.add_argument("--tile-shares", default="0.1,all",
+                    help="the shares of the last section (default: 0.1,all)")
+    ap.add_argument("--layout", default="bshd", choices=("bshd", "bhsd"),
+                    help="storage of q, k, v and dO (default bshd, as the share table)")
+    ap.add_argument("--cells", default="",
+                    help="only the cells whose 'SQxSKV' contains this (default: all)")
     args = ap.parse_args()
     forms = args.forms.split(",")
-    unknown = sorted(set(forms) - set(FORMS))
+    unknown = sorted((set(forms) | {args.light}) - set(FORMS))
     if unknown:
         ap.error(f"unknown forms {unknown}; FORMS has {list(FORMS)}")
     start("probe_split_keys.py")
     ext = extension()
-    for cell in CELLS:
+    cells = [cell for cell in CELLS if args.cells in f"{cell[2]}x{cell[3]}"]
+    if args.layout != "bshd":
+        print(f"layout {args.layout}", flush=True)
+    for cell in cells:
         for share in args.shares.split(","):
-            c = leaf_cell(cell, share)
+            c = leaf_cell(cell, share, args.layout)
 
             def form(name):
                 return c.then(lambda dq: run_form(ext, c, dq, name))
@@ -767,19 +833,20 @@ def main():
     if args.no_tiles:
         return
     # Where a head has more rows than a light kernel takes, the tiles still run:
-    # after the light kernel's scan (here pipe's, then the landed repair as a
-    # plain second launch; a tail launch from the device adds about 3.7 us more,
-    # probe_tail_launch.cu).
-    for cell in CELLS:
-        for share in (0.1, "all"):
-            c = leaf_cell(cell, share)
+    # after the light kernel (--light: pipe's scan alone by default), then the
+    # landed repair as a plain second launch; a tail launch from the device adds
+    # about 3.7 us more (probe_tail_launch.cu).
+    for cell in cells:
+        for share in args.tile_shares.split(","):
+            share = share if share == "all" else float(share)
+            c = leaf_cell(cell, share, args.layout)
 
-            def scan_then_repair(dq):
-                run_form(ext, c, dq, "pipe_scan")
+            def light_then_repair(dq):
+                run_form(ext, c, dq, args.light)
                 c.repair(dq)
 
             _, line = paired_added(cell, str(share), lambda _: c.backward(),
-                                   {"landed": c.repaired, "scan+landed": c.then(scan_then_repair)},
+                                   {"landed": c.repaired, f"{args.light}+landed": c.then(light_then_repair)},
                                    args.rounds, args.repeats)
             print(line, flush=True)
 

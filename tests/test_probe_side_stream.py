@@ -146,16 +146,33 @@ def test_leaf_cell_steps_run_the_backward_first():
 
 def test_split_keys_forms_reach_the_kernel_with_their_arguments():
     """probe_split_keys' timed variants are its FORMS, in order, and run_form
-    hands each one's (max_cluster, mode) to split_keys after the cell's
-    tensors, scale and the repair's threshold."""
+    hands each one's (engine, max_cluster, mode) to split_keys after the cell's
+    tensors, scale and the repair's threshold; the forms whose accuracy is
+    checked are those that repair (mode 1)."""
     probe = load_script("probe_split_keys.py")
     assert probe.VARIANTS == ("split", "split16", "pipe", "pipe_scan", "pipe_read", "scan",
-                              "read")
+                              "read", "reg", "reg_early", "reg_tileocc", "reg_occ", "reg_pdl")
+    assert probe.REPAIRS == ("split", "split16", "pipe", "reg", "reg_early", "reg_tileocc",
+                             "reg_occ", "reg_pdl")
     seen = []
     ext = SimpleNamespace(split_keys=lambda *args: seen.append(args))
     c = SimpleNamespace(go="go", q="q", k="k", v="v", out="out", lse="lse", bias=None,
                         scale=0.125)
-    for name in ("split16", "pipe_read"):
+    for name in ("split16", "pipe_read", "reg_tileocc"):
         probe.run_form(ext, c, "dq", name)
-    assert seen == [("dq", "go", "q", "k", "v", "out", "lse", None, 0.125, probe.THRESHOLD, 16, 1),
-                    ("dq", "go", "q", "k", "v", "out", "lse", None, 0.125, probe.THRESHOLD, 0, 2)]
+    head = ("dq", "go", "q", "k", "v", "out", "lse", None, 0.125, probe.THRESHOLD)
+    assert seen == [head + (0, 16, 1), head + (1, 0, 2), head + (4, 0, 1)]
+
+
+def test_split_keys_refuses_unknown_forms(capsys):
+    """--forms names only FORMS: a typo is an error before any GPU work."""
+    probe = load_script("probe_split_keys.py")
+    old = sys.argv
+    sys.argv = ["probe_split_keys.py", "--forms", "reg,regg"]
+    try:
+        with pytest.raises(SystemExit) as e:
+            probe.main()
+    finally:
+        sys.argv = old
+    assert e.value.code == 2
+    assert "unknown forms ['regg']" in capsys.readouterr().err
