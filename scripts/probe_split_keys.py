@@ -32,7 +32,8 @@ lanes, the keys' contributions over the warp.
   tiles); reg_early issues its first stages before the scan; reg_tileocc runs
   at the landed kernel's blocks per SM (2 at head_dim 128, 3 at 64: what a
   path inside that kernel's launch would get); reg_occ at 6 blocks per SM at
-  head_dim 64 (as reg at 128); reg_pdl is reg_occ launched as the
+  head_dim 64 (at 128 reg_occ is reg: both have every head of the four cells
+  resident at once); reg_pdl is reg_occ launched as the
   programmatic dependent of cuDNN's last kernel, as the op launches its
   repair.
 
@@ -490,15 +491,16 @@ __global__ void __launch_bounds__(kThreads) pipe_keys(const Params p) {
   }
 }
 
-// pipe_keys with three changes (runs R1-R2): the rows' q and dO in
+// pipe_keys with three changes (runs R1, R3-R8): the rows' q and dO in
 // registers, where pipe re-reads them from shared memory at every key (at
 // head_dim 128 four times the shared-memory wavefronts of the keys
-// themselves, about 17 us of one SM's shared-memory pipe at 704x704: pipe's
-// 13 us over its loads alone); each thread's bias values of a stage loaded
+// themselves, by arithmetic about 17 us of one SM's shared-memory pipe at
+// 704x704, where pipe took 13 us over its loads alone); each thread's bias values of a stage loaded
 // before the stage is waited for; and lanes of keys past s_kv take zero keys
 // (no whole-stage restriction). kEarly issues the first kStages - 1 stages
 // before the scan (a head without rows then waits for them and leaves: on
-// ordinary data that is their bandwidth, 16 KB a head at head_dim 128). A
+// ordinary data that is their bandwidth, 3 stages of 16 KB a head at head_dim
+// 128). A
 // head of more than R rows is left alone, as a light kernel would leave it to
 // the tiles (runs R1-R4 took min(count, R) rows; with one row per head the
 // same work; R5's first form repaired R rows of every head at 10% and every
@@ -509,6 +511,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) reg_keys(const Params p)
   constexpr int kPieces = D / 8;
   constexpr int kStage = kKeys * D;
   constexpr int kSteps = kKeys / (4 * kWarps);  // a warp's 4-key steps in a stage
+  static_assert(R <= kMaxRows && R <= kWarps, "rows: listed by the scan, one warp each");
   extern __shared__ __align__(16) unsigned char smem[];
   uint16_t* ks = reinterpret_cast<uint16_t*>(smem);            // [kStages][kKeys][D]
   uint16_t* vs = ks + kStages * kStage;                         // [kStages][kKeys][D]
@@ -675,13 +678,16 @@ void split_keys(at::Tensor dq, at::Tensor go, at::Tensor q, at::Tensor k, at::Te
       // The landed kernel's blocks per SM (kTileBlocksPerSm: 2 at head_dim
       // 128, 3 at 64), set by shared memory: what a light path inside that
       // kernel's launch would get.
-      const size_t per_sm = 227 * 1024, blocks = D == 128 ? 2 : 3;
-      rsmem = std::max(rsmem, per_sm / blocks - 2048);
+      const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+      const size_t blocks = D == 128 ? 2 : 3;
+      rsmem = std::max(rsmem, props->sharedMemPerMultiprocessor / blocks -
+                                  props->reservedSharedMemPerBlock - 1024);
     }
     const bool early = engine == kEngineRegEarly;
     auto rk = D == 128 ? (early ? reg_keys<128, kKeys, kStages, kRows, true> : reg_keys<128, kKeys, kStages, kRows, false>)
                        : (early ? reg_keys<64, kKeys, kStages, kRows, true> : reg_keys<64, kKeys, kStages, kRows, false>);
-    // reg_occ: 6 blocks per SM at head_dim 64 (every head of 360x64 resident at once), as reg at 128.
+    // reg_occ: 6 blocks per SM at head_dim 64 (every head of 360x64 resident at
+    // once); at 128 it is reg (3 blocks per SM, all 384 heads of 704x704 at once).
     if (engine == kEngineRegOcc && D == 64) rk = reg_keys<64, kKeys, kStages, kRows, false, 6>;
     if (engine == kEngineRegPdl) {
       // reg_occ as the programmatic dependent of the kernel ahead of it on the
@@ -788,7 +794,27 @@ def accuracy(ext, c, names=REPAIRS):
             f"{len(picked)} rows: {errors}; non-finite: {bad}; other rows untouched: {untouched}")
 
 
-def main():
+def parse_shares(text):
+    """A comma-separated list of adversarial shares: none, one_per_head, all, or a
+    fraction in (0, 1); ValueError on anything else."""
+    shares = []
+    for word in text.split(","):
+        if word in ("none", "one_per_head", "all"):
+            shares.append(word)
+            continue
+        share = float(word)  # ValueError for a word that is not a number
+        if not 0.0 < share < 1.0:
+            raise ValueError(f"share {word}: not in (0, 1)")
+        shares.append(share)
+    return shares
+
+
+def cell_name(cell):
+    """'SQxSKV:D' of a cell, which --cells matches a part of."""
+    return f"{cell[2]}x{cell[3]}:{cell[5]}"
+
+
+def parse_args(argv=None):
     ap = probe_parser(__doc__)
     ap.add_argument("--forms", default=",".join(VARIANTS),
                     help="the forms to time, comma-separated (default: all of FORMS)")
@@ -805,40 +831,52 @@ def main():
     ap.add_argument("--layout", default="bshd", choices=("bshd", "bhsd"),
                     help="storage of q, k, v and dO (default bshd, as the share table)")
     ap.add_argument("--cells", default="",
-                    help="only the cells whose 'SQxSKV' contains this (default: all)")
-    args = ap.parse_args()
-    forms = args.forms.split(",")
-    unknown = sorted((set(forms) | {args.light}) - set(FORMS))
+                    help="only the cells whose 'SQxSKV:D' contains this, e.g. 704 or "
+                         "704x704:128 (default: all)")
+    args = ap.parse_args(argv)
+    args.forms = args.forms.split(",")
+    unknown = sorted((set(args.forms) | {args.light}) - set(FORMS))
     if unknown:
         ap.error(f"unknown forms {unknown}; FORMS has {list(FORMS)}")
+    try:
+        args.shares = parse_shares(args.shares)
+        args.tile_shares = parse_shares(args.tile_shares)
+    except ValueError as e:
+        ap.error(str(e))
+    args.cells = [cell for cell in CELLS if args.cells in cell_name(cell)]
+    if not args.cells:
+        ap.error(f"--cells matches none of {[cell_name(c) for c in CELLS]}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     start("probe_split_keys.py")
     ext = extension()
-    cells = [cell for cell in CELLS if args.cells in f"{cell[2]}x{cell[3]}"]
     if args.layout != "bshd":
         print(f"layout {args.layout}", flush=True)
-    for cell in cells:
-        for share in args.shares.split(","):
+    for cell in args.cells:
+        for share in args.shares:
             c = leaf_cell(cell, share, args.layout)
 
             def form(name):
                 return c.then(lambda dq: run_form(ext, c, dq, name))
 
             steps = {"landed": c.repaired}
-            steps.update({name: form(name) for name in forms})
-            _, line = paired_added(cell, share, lambda _: c.backward(), steps, args.rounds,
+            steps.update({name: form(name) for name in args.forms})
+            _, line = paired_added(cell, str(share), lambda _: c.backward(), steps, args.rounds,
                                    args.repeats)
             print(line, flush=True)
             if share != "none":
-                print(accuracy(ext, c, [f for f in forms if f in REPAIRS]), flush=True)
+                print(accuracy(ext, c, [f for f in args.forms if f in REPAIRS]), flush=True)
     if args.no_tiles:
         return
     # Where a head has more rows than a light kernel takes, the tiles still run:
     # after the light kernel (--light: pipe's scan alone by default), then the
     # landed repair as a plain second launch; a tail launch from the device adds
     # about 3.7 us more (probe_tail_launch.cu).
-    for cell in cells:
-        for share in args.tile_shares.split(","):
-            share = share if share == "all" else float(share)
+    for cell in args.cells:
+        for share in args.tile_shares:
             c = leaf_cell(cell, share, args.layout)
 
             def light_then_repair(dq):

@@ -21,12 +21,21 @@
 //                    programmatic stream serialization, griddepcontrol.wait)
 //   graph            tail(on) captured in a CUDA graph and replayed: the child
 //                    runs once per replayed call (a counter says)
+//   cluster child    a child as the repair's tiles would be launched from the
+//                    device: a compile-time cluster of 2 (__cluster_dims__:
+//                    a device launch takes no launch attributes), 100 KB of
+//                    dynamic shared memory (the attribute set from the host),
+//                    each block reading its peer's shared memory (added in
+//                    the thirteenth session; built here, not yet run)
 // The counts are checked: the program exits 1 when the child ran where it
 // should not or did not run where it should (run Q1 ran a first form that
 // printed one total over all three modes).
 //
 //   nvcc -O3 -arch=sm_90a -rdc=true scripts/probe_tail_launch.cu -lcudadevrt \
 //        -o build/probe_tail_launch && build/probe_tail_launch
+// (-ewp in place of -rdc=true builds it too: the form the extension would
+// take, since -rdc=true serializes the tiles' wgmma; BENCHMARKS.md, the
+// thirteenth session's build facts.)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -61,6 +70,40 @@ __global__ void light(const int* flag, const float* data, int n, unsigned* count
   if (s == 12345.0f) counter[1] = 1;
   if (child_grid > 0 && blockIdx.x == 0 && threadIdx.x == 0 && *flag != 0) {
     child<<<child_grid, 256, 0, cudaStreamTailLaunch>>>(counter, data, n);
+  }
+}
+
+// The repair's cluster kernel as a device launch would run it: clusters of 2
+// fixed at compile time, a large dynamic shared memory. counter[2] counts
+// blocks whose peer's shared memory did not hold the peer's rank, counter[3]
+// the blocks that ran, counter[4] the largest cluster size a block saw.
+constexpr int kClusterSmem = 100 * 1024;
+__global__ void __cluster_dims__(2, 1, 1) cluster_child(unsigned* counter) {
+  extern __shared__ unsigned smem[];
+  unsigned rank = 0, size = 0;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(size));
+  if (threadIdx.x == 0) smem[kClusterSmem / 4 - 1] = rank;  // the last word of it
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+  if (threadIdx.x == 0) {
+    const unsigned peer = rank ^ 1u;
+    const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(&smem[kClusterSmem / 4 - 1]));
+    unsigned remote = 0, got = 0;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(peer));
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(got) : "r"(remote) : "memory");
+    if (size != 2 || got != peer) atomicAdd(counter + 2, 1u);
+    atomicAdd(counter + 3, 1u);
+    atomicMax(counter + 4, size);
+  }
+  // Neither block leaves while its peer may still read its shared memory.
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__global__ void launch_cluster_child(unsigned* counter, int grid) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    cluster_child<<<grid, 128, kClusterSmem, cudaStreamTailLaunch>>>(counter);
   }
 }
 
@@ -239,6 +282,26 @@ int main() {
       }
       CHECK(cudaGraphDestroy(g));
     }
+  }
+
+  // ---- the tiles' cluster kernel launched from the device
+  {
+    CHECK(cudaFuncSetAttribute(cluster_child, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               kClusterSmem));
+    unsigned* cc = nullptr;
+    CHECK(cudaMalloc(&cc, 5 * sizeof(unsigned)));
+    CHECK(cudaMemset(cc, 0, 5 * sizeof(unsigned)));
+    const int cgrid = 2 * sms;  // clusters of 2: an even grid
+    for (int c = 0; c < 10; ++c) launch_cluster_child<<<1, 32, 0, s>>>(cc, cgrid);
+    const cudaError_t e = cudaStreamSynchronize(s);
+    unsigned got[5] = {};
+    if (e == cudaSuccess) CHECK(cudaMemcpy(got, cc, sizeof(got), cudaMemcpyDeviceToHost));
+    const bool ok = e == cudaSuccess && got[2] == 0 && got[3] == 10u * cgrid && got[4] == 2;
+    failures += !ok;
+    std::printf("cluster child from the device: %s; blocks run %u (expect %u), cluster size %u "
+                "(expect 2), blocks that missed their peer's shared memory %u (expect 0)\n",
+                cudaGetErrorString(e), got[3], 10u * cgrid, got[4], got[2]);
+    if (e == cudaSuccess) CHECK(cudaFree(cc));
   }
 
   // ---- host time per launch while the GPU is busy (the host never waits)

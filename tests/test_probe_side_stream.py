@@ -164,15 +164,71 @@ def test_split_keys_forms_reach_the_kernel_with_their_arguments():
     assert seen == [head + (0, 16, 1), head + (1, 0, 2), head + (4, 0, 1)]
 
 
-def test_split_keys_refuses_unknown_forms(capsys):
-    """--forms names only FORMS: a typo is an error before any GPU work."""
+@pytest.mark.parametrize("argv, message", [
+    (["--forms", "reg,regg"], "unknown forms ['regg']"),
+    (["--light", "regg"], "unknown forms ['regg']"),
+    (["--shares", "none,half"], "could not convert string to float: 'half'"),
+    (["--tile-shares", "0.1,1.5"], "share 1.5: not in (0, 1)"),
+    (["--cells", "999"], "--cells matches none of"),
+])
+def test_split_keys_refuses_bad_options_before_any_gpu_work(argv, message, capsys):
+    """Forms, shares and cells are checked when the command line is read: a
+    typo is an error (exit 2) before the build and the first section."""
     probe = load_script("probe_split_keys.py")
-    old = sys.argv
-    sys.argv = ["probe_split_keys.py", "--forms", "reg,regg"]
-    try:
-        with pytest.raises(SystemExit) as e:
-            probe.main()
-    finally:
-        sys.argv = old
+    with pytest.raises(SystemExit) as e:
+        probe.parse_args(argv)
     assert e.value.code == 2
-    assert "unknown forms ['regg']" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
+
+
+def test_split_keys_options_reach_the_cells(monkeypatch, capsys):
+    """main hands --cells' cells, --shares and --tile-shares (fractions as numbers)
+    and --layout to each cell, and times --forms beside the landed repair; the
+    tiles section runs the landed repair after --light."""
+    probe = load_script("probe_split_keys.py")
+    made, timed, ran = [], [], []
+
+    class Cell:
+        def __init__(self, cell, share):
+            self.cell, self.share = cell, share
+            self.repaired = "landed"
+
+        def then(self, fn):
+            return fn
+
+        def backward(self):
+            return None
+
+        def repair(self, dq):
+            ran.append(("landed", self.share))
+
+    def leaf_cell(cell, share, layout):
+        made.append((probe.cell_name(cell), share, layout))
+        return Cell(cell, share)
+
+    def paired_added(cell, share, stock, steps, rounds, repeats):
+        timed.append((probe.cell_name(cell), share, tuple(steps)))
+        for name, step in steps.items():
+            if callable(step):
+                step("dq")
+        return None, "line"
+
+    monkeypatch.setattr(probe, "start", lambda script: None)
+    monkeypatch.setattr(probe, "extension", lambda: "ext")
+    monkeypatch.setattr(probe, "leaf_cell", leaf_cell)
+    monkeypatch.setattr(probe, "paired_added", paired_added)
+    monkeypatch.setattr(probe, "accuracy", lambda ext, c, names: f"accuracy {names}")
+    monkeypatch.setattr(probe, "run_form", lambda ext, c, dq, name: ran.append((name, c.share)))
+    probe.main(["--cells", "704x704:64", "--forms", "reg_occ,pipe_scan", "--shares",
+                "none,one_per_head", "--tile-shares", "0.25,all", "--light", "reg_pdl",
+                "--layout", "bhsd"])
+    assert made == [("704x704:64", "none", "bhsd"), ("704x704:64", "one_per_head", "bhsd"),
+                    ("704x704:64", 0.25, "bhsd"), ("704x704:64", "all", "bhsd")]
+    assert timed == [("704x704:64", "none", ("landed", "reg_occ", "pipe_scan")),
+                     ("704x704:64", "one_per_head", ("landed", "reg_occ", "pipe_scan")),
+                     ("704x704:64", "0.25", ("landed", "reg_pdl+landed")),
+                     ("704x704:64", "all", ("landed", "reg_pdl+landed"))]
+    # The tiles section: the light form, then the landed repair, on the same dQ.
+    assert ran[-4:] == [("reg_pdl", 0.25), ("landed", 0.25), ("reg_pdl", "all"), ("landed", "all")]
+    # Accuracy only of the forms that repair (pipe_scan is the scan alone).
+    assert "accuracy ['reg_occ']" in capsys.readouterr().out
