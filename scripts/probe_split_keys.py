@@ -663,6 +663,45 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) reg_keys(const Params p)
 
 }  // namespace
 
+// Sets the kernel's dynamic shared memory and launches it on the current
+// stream, kThreads threads a block; `attr`, if given, is the launch's one
+// attribute (a cluster size, or the programmatic launch).
+template <class Kernel>
+void launch(Kernel kernel, unsigned grid, size_t smem, const Params& p,
+            const cudaLaunchAttribute* attr = nullptr) {
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(smem)));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = at::cuda::getCurrentCUDAStream();
+  cudaLaunchAttribute copy[1];
+  if (attr != nullptr) {
+    copy[0] = *attr;
+    cfg.attrs = copy;
+    cfg.numAttrs = 1;
+  }
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+}
+
+// reg_keys' instantiation for an engine (kEngineReg .. kEngineRegPdl).
+template <int D>
+auto reg_kernel(int64_t engine) {
+  constexpr int kKeys = 32, kStages = 4, kRows = 1;
+  // reg_occ: 6 blocks per SM at head_dim 64 (every head of 360x64 resident at
+  // once); at 128 it is reg (3 blocks per SM, all 384 heads of 704x704 at once).
+  constexpr int kOcc = D == 64 ? 6 : 3;
+  switch (engine) {
+    case kEngineRegEarly: return reg_keys<D, kKeys, kStages, kRows, true>;
+    case kEngineRegOcc: return reg_keys<D, kKeys, kStages, kRows, false, kOcc>;
+    // reg_occ as the programmatic dependent of the kernel ahead of it on the
+    // stream (cuDNN's last), as the op launches the landed repair.
+    case kEngineRegPdl: return reg_keys<D, kKeys, kStages, kRows, false, kOcc, true>;
+    default: return reg_keys<D, kKeys, kStages, kRows, false>;  // reg, reg_tileocc
+  }
+}
+
 void split_keys(at::Tensor dq, at::Tensor go, at::Tensor q, at::Tensor k, at::Tensor v,
                 at::Tensor o, at::Tensor lse, c10::optional<at::Tensor> bias, double scale,
                 double threshold, int64_t engine, int64_t max_cluster, int64_t mode) {
@@ -670,10 +709,14 @@ void split_keys(at::Tensor dq, at::Tensor go, at::Tensor q, at::Tensor k, at::Te
   probe::fill_row_params(p, dq, go, q, k, v, o, lse, bias, scale, threshold);
   const int64_t D = q.size(3);
   p.mode = static_cast<int>(mode);
+  const unsigned heads = static_cast<unsigned>(q.size(0) * q.size(1));
+  // pipe_keys and reg_keys: 4 stages of 32 keys of K and V, and the rows.
+  constexpr int kKeys = 32, kStages = 4;
+  const size_t stage_smem =
+      2 * sizeof(uint16_t) * kStages * kKeys * D + sizeof(float) * D * (2 * kMaxRows + kWarps);
   if (engine >= kEngineReg && engine <= kEngineRegPdl) {  // reg_keys: as pipe_keys, one row
-    constexpr int kKeys = 32, kStages = 4, kRows = 1;
     TORCH_CHECK(mode == kCompute, "reg_keys: the repair only");
-    size_t rsmem = 2 * sizeof(uint16_t) * kStages * kKeys * D + sizeof(float) * D * (2 * kMaxRows + kWarps);
+    size_t rsmem = stage_smem;
     if (engine == kEngineRegTileOcc) {
       // The landed kernel's blocks per SM (kTileBlocksPerSm: 2 at head_dim
       // 128, 3 at 64), set by shared memory: what a light path inside that
@@ -683,77 +726,39 @@ void split_keys(at::Tensor dq, at::Tensor go, at::Tensor q, at::Tensor k, at::Te
       rsmem = std::max(rsmem, props->sharedMemPerMultiprocessor / blocks -
                                   props->reservedSharedMemPerBlock - 1024);
     }
-    const bool early = engine == kEngineRegEarly;
-    auto rk = D == 128 ? (early ? reg_keys<128, kKeys, kStages, kRows, true> : reg_keys<128, kKeys, kStages, kRows, false>)
-                       : (early ? reg_keys<64, kKeys, kStages, kRows, true> : reg_keys<64, kKeys, kStages, kRows, false>);
-    // reg_occ: 6 blocks per SM at head_dim 64 (every head of 360x64 resident at
-    // once); at 128 it is reg (3 blocks per SM, all 384 heads of 704x704 at once).
-    if (engine == kEngineRegOcc && D == 64) rk = reg_keys<64, kKeys, kStages, kRows, false, 6>;
-    if (engine == kEngineRegPdl) {
-      // reg_occ as the programmatic dependent of the kernel ahead of it on the
-      // stream (cuDNN's last), as the op launches the landed repair.
-      rk = D == 128 ? reg_keys<128, kKeys, kStages, kRows, false, 3, true>
-                    : reg_keys<64, kKeys, kStages, kRows, false, 6, true>;
-      C10_CUDA_CHECK(cudaFuncSetAttribute(rk, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(rsmem)));
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(static_cast<unsigned>(q.size(0) * q.size(1)));
-      cfg.blockDim = dim3(kThreads);
-      cfg.dynamicSmemBytes = rsmem;
-      cfg.stream = at::cuda::getCurrentCUDAStream();
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[0].val.programmaticStreamSerializationAllowed = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-      C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, rk, p));
-      return;
+    cudaLaunchAttribute programmatic{};
+    programmatic.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    programmatic.val.programmaticStreamSerializationAllowed = 1;
+    const cudaLaunchAttribute* attr = engine == kEngineRegPdl ? &programmatic : nullptr;
+    if (D == 128) {
+      launch(reg_kernel<128>(engine), heads, rsmem, p, attr);
+    } else {
+      launch(reg_kernel<64>(engine), heads, rsmem, p, attr);
     }
-    C10_CUDA_CHECK(cudaFuncSetAttribute(rk, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(rsmem)));
-    rk<<<static_cast<unsigned>(q.size(0) * q.size(1)), kThreads, rsmem,
-         at::cuda::getCurrentCUDAStream()>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
-  if (engine == kEnginePipe) {  // pipe_keys: a block per head, 4 stages of 32 keys
-    constexpr int kKeys = 32, kStages = 4;
+  if (engine == kEnginePipe) {  // pipe_keys: a block per head
     // Its lanes past the keys of a last, partial stage would read shared
     // memory no copy wrote (a NaN there makes 0 * NaN): whole stages only.
     TORCH_CHECK(p.s_kv % kKeys == 0, "pipe_keys: the key length must be a multiple of ", kKeys);
-    const size_t psmem = 2 * sizeof(uint16_t) * kStages * kKeys * D + sizeof(float) * D * (2 * kMaxRows + kWarps);
-    auto pk = D == 128 ? pipe_keys<128, kKeys, kStages> : pipe_keys<64, kKeys, kStages>;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(pk, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(psmem)));
-    pk<<<static_cast<unsigned>(q.size(0) * q.size(1)), kThreads, psmem,
-         at::cuda::getCurrentCUDAStream()>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch(D == 128 ? pipe_keys<128, kKeys, kStages> : pipe_keys<64, kKeys, kStages>, heads,
+           stage_smem, p);
     return;
   }
   TORCH_CHECK(engine == kEngineSplit, "unknown engine ", engine);
   p.cluster = static_cast<int>(std::min<int64_t>(max_cluster, (p.s_kv + 63) / 64));
   p.chunk = ((p.s_kv + p.cluster - 1) / p.cluster + 7) / 8 * 8;
   const size_t smem = 2 * sizeof(uint16_t) * p.chunk * D + sizeof(float) * D * (3 * kMaxRows + kWarps);
-  const unsigned grid = static_cast<unsigned>(q.size(0) * q.size(1) * p.cluster);
   auto kernel = D == 128 ? split_keys<128> : split_keys<64>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(smem)));
   if (p.cluster > 8) {  // clusters of up to 16 blocks: H100 and H200, not portable
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = at::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(p.cluster);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = static_cast<unsigned>(p.cluster);
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  launch(kernel, heads * static_cast<unsigned>(p.cluster), smem, p, &cluster);
 }
 """
 
