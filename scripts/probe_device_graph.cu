@@ -3,7 +3,7 @@
 // the launching kernel sets (a device-updatable node)? That route keeps the
 // launched kernel's SASS: its address is never taken in device code, which
 // is what costs a kernel launched from the device its uniform datapath
-// (benchmarks/results/ptxas_2026-12-02_s0_device_launch_address_taken.txt).
+// (benchmarks/results/ptxas_2026-12-02_t0_device_launch_address_taken.txt).
 //
 // Build (this machine or the device):
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -ewp \
@@ -12,8 +12,8 @@
 // Modes: eager (the launcher launched into a stream), captured (the launcher
 // captured into a host graph and replayed), then the device time of each
 // against the child launched from the host.
-// H200, driver of CUDA 13.0, 2026-12-02 (run S3,
-// benchmarks/results/probe_device_graph_2026-12-02_h200_s3.txt): the eager
+// H200, driver of CUDA 13.0, 2026-12-02 (run T3,
+// benchmarks/results/probe_device_graph_2026-12-02_h200_t3.txt): the eager
 // launcher is refused at launch ("operation not supported"): only a kernel
 // running inside a graph may launch a device graph. Captured, a device
 // graph's tail launch waits for the whole launching graph: the second
