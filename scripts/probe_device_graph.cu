@@ -38,7 +38,7 @@
 struct Params {
   int* out;
   int value;
-  int pad[30];  // a parameter block of the size of the repair's (128 bytes)
+  int pad[30];  // a parameter block of 136 bytes, set from the device as one
 };
 
 // The child: each block adds value to out[blockIdx.x].
