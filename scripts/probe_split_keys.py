@@ -634,6 +634,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) reg_keys(const Params p)
     }
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");
+  // The closing sums below repeat pipe_keys' on purpose: with them in one
+  // shared device function, ptxas gave pipe_keys<128> other sm_90a code
+  // than the one measured in Q3-Q4 and R1 (checked, 2026-12-02), so each
+  // kernel keeps the code that ran.
   // kPdl: launched as the programmatic dependent of cuDNN's last kernel, which
   // writes dQ: wait for it before the rows are written (as the landed repair).
   if (kPdl) asm volatile("griddepcontrol.wait;\n" ::: "memory");
