@@ -95,6 +95,9 @@ namespace cg = cooperative_groups;
 namespace {
 
 constexpr int kWarps = 4, kThreads = 32 * kWarps, kMaxRows = 4, kLanesPerKey = 8, kScan = 4;
+// pipe_keys and reg_keys as launched: kStreamStages shared-memory stages of
+// kStreamKeys keys of K and V (their instantiation and their shared memory).
+constexpr int kStreamKeys = 32, kStreamStages = 4;
 enum Mode { kScanOnly = 0, kCompute = 1, kRead = 2 };
 enum Engine { kEngineSplit = 0, kEnginePipe = 1, kEngineReg = 2, kEngineRegEarly = 3,
               kEngineRegTileOcc = 4, kEngineRegOcc = 5, kEngineRegPdl = 6 };
@@ -692,7 +695,7 @@ void launch(Kernel kernel, unsigned grid, size_t smem, const Params& p,
 // reg_keys' instantiation for an engine (kEngineReg .. kEngineRegPdl).
 template <int D>
 auto reg_kernel(int64_t engine) {
-  constexpr int kKeys = 32, kStages = 4, kRows = 1;
+  constexpr int kKeys = kStreamKeys, kStages = kStreamStages, kRows = 1;
   // reg_occ: 6 blocks per SM at head_dim 64 (every head of 360x64 resident at
   // once); at 128 it is reg (3 blocks per SM, all 384 heads of 704x704 at once).
   constexpr int kOcc = D == 64 ? 6 : 3;
@@ -714,10 +717,9 @@ void split_keys(at::Tensor dq, at::Tensor go, at::Tensor q, at::Tensor k, at::Te
   const int64_t D = q.size(3);
   p.mode = static_cast<int>(mode);
   const unsigned heads = static_cast<unsigned>(q.size(0) * q.size(1));
-  // pipe_keys and reg_keys: 4 stages of 32 keys of K and V, and the rows.
-  constexpr int kKeys = 32, kStages = 4;
-  const size_t stage_smem =
-      2 * sizeof(uint16_t) * kStages * kKeys * D + sizeof(float) * D * (2 * kMaxRows + kWarps);
+  // pipe_keys and reg_keys: their stages of K and V, and the rows.
+  const size_t stage_smem = 2 * sizeof(uint16_t) * kStreamStages * kStreamKeys * D +
+                            sizeof(float) * D * (2 * kMaxRows + kWarps);
   if (engine >= kEngineReg && engine <= kEngineRegPdl) {  // reg_keys: as pipe_keys, one row
     TORCH_CHECK(mode == kCompute, "reg_keys: the repair only");
     size_t rsmem = stage_smem;
@@ -744,9 +746,11 @@ void split_keys(at::Tensor dq, at::Tensor go, at::Tensor q, at::Tensor k, at::Te
   if (engine == kEnginePipe) {  // pipe_keys: a block per head
     // Its lanes past the keys of a last, partial stage would read shared
     // memory no copy wrote (a NaN there makes 0 * NaN): whole stages only.
-    TORCH_CHECK(p.s_kv % kKeys == 0, "pipe_keys: the key length must be a multiple of ", kKeys);
-    launch(D == 128 ? pipe_keys<128, kKeys, kStages> : pipe_keys<64, kKeys, kStages>, heads,
-           stage_smem, p);
+    TORCH_CHECK(p.s_kv % kStreamKeys == 0, "pipe_keys: the key length must be a multiple of ",
+                kStreamKeys);
+    launch(D == 128 ? pipe_keys<128, kStreamKeys, kStreamStages>
+                    : pipe_keys<64, kStreamKeys, kStreamStages>,
+           heads, stage_smem, p);
     return;
   }
   TORCH_CHECK(engine == kEngineSplit, "unknown engine ", engine);
