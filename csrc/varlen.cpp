@@ -136,6 +136,13 @@ namespace {
 // that sees no key (its sequence has no keys) gets zero output and zero
 // gradient, as F.sdpa gives a sequence without keys.
 at::Tensor block_diagonal(const VarlenCall& c) {
+  if (c.query.sym_numel() == 0 || c.key.sym_numel() == 0) {
+    // No query or no key at all: zero output (F.sdpa over no keys), still
+    // connected to the inputs so that their gradients are zeros, not absent.
+    const at::Tensor none = (c.query.sum() + c.key.sum() + c.value.sum()) * 0;
+    return at::zeros_symint({c.query.sym_size(0), c.query.sym_size(1), c.value.sym_size(2)},
+                            c.query.options()) + none.to(c.query.scalar_type());
+  }
   const auto index = c.cu_seqlens_q.options().dtype(at::kLong);
   const auto segments = [&](const at::Tensor& cu, const c10::SymInt& total) {
     const at::Tensor pos = at::arange(c10::Scalar(total), index);

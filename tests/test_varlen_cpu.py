@@ -357,3 +357,19 @@ def test_sweep_builders_on_the_cpu():
     for n in sweep.Attn._fields:
         assert sweep.max_err(getattr(stock, n), getattr(ref, n)) < 1e-4, n
         assert sweep.max_err(getattr(ours, n), getattr(ref, n)) < 1e-4, n
+
+
+@pytest.mark.parametrize("lens_q,lens_k", [([], []), ([3, 2], [0, 0]), ([0, 0], [4, 1])])
+def test_block_diagonal_fallback_with_empty_inputs(monkeypatch, lens_q, lens_k):
+    """No query or no key at all: zero output and zero gradients, no error."""
+    q, k, v, cu_q, cu_k, max_q, max_k = packed(lens_q, lens_k)
+    monkeypatch.setenv("OPENWAM_SDPA_VARLEN", "block_diagonal")
+    openwam_sdpa.varlen_settings(reload=True)
+    try:
+        out = openwam_sdpa.varlen_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+    finally:
+        monkeypatch.delenv("OPENWAM_SDPA_VARLEN")
+        openwam_sdpa.varlen_settings(reload=True)
+    assert out.shape == (sum(lens_q), 3, 16) and not out.any()
+    assert all(g.shape == t.shape and not g.any() for g, t in zip(grads, (q, k, v)))
