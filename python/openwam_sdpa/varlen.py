@@ -10,6 +10,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from . import varlen_distributed  # noqa: F401  (DTensor rules of the leaf ops)
 from ._extension import _C  # noqa: F401  (registers the ops)
 
 _OP = torch.ops.openwam.sdpa_varlen.default
