@@ -115,8 +115,11 @@ const std::vector<GuardRule>& table() {
       // ---- The ragged layout (openwam::sdpa_varlen's cuDNN engine),
       // conservative: nobody has measured its values. A probe on torch 2.7
       // gave wrong dQ and hung at s_q == 1; on torch 2.11 / cuDNN 9.19 jagged
-      // nested tensors gave finite dQ, values not compared. The sweep in
-      // tests/gpu/test_varlen_gpu.py records what a stack does.
+      // nested tensors gave finite dQ, values not compared. ATen's
+      // _cudnn_attention_backward (attention_backward.cu, recent main) takes the longest
+      // sequences from query.size(2) and key.size(2), which for the ragged
+      // [total, heads, head_dim] layout are head_dim, not max_q/max_k. The
+      // sweep in tests/gpu/test_varlen_gpu.py records what a stack does.
       {"ragged_unverified",
        {0, kAfterNewest},
        {},
@@ -124,7 +127,8 @@ const std::vector<GuardRule>& table() {
        Fix::kAvoidCudnn,
        "every version (not measured)",
        "cuDNN's ragged layout gave wrong dQ and hung at s_q == 1 (torch 2.7 probe); "
-       "its values are unverified on every other stack",
+       "ATen's backward sizes its ragged graph by head_dim instead of the longest "
+       "sequence (read in its source); unverified on every stack",
        "sdpa_varlen runs the call on FlashAttention-2 varlen (or its "
        "block-diagonal fallback); OPENWAM_SDPA_VARLEN=cudnn overrides",
        "this project's probes (torch 2.7; torch 2.11 / cuDNN 9.19 nested tensors); "
