@@ -37,6 +37,9 @@ pytestmark = GPU_MARKS
 sweep = load_script("sweep_varlen_ragged.py")
 DTYPE = torch.bfloat16
 IN_PROCESS_ENGINES = ("flash", "block_diagonal")
+# A sweep cell takes seconds (the import, then a few forward+backward); a
+# cell past this is recorded as a hang. Ten cells: at most ten minutes.
+SWEEP_CELL_TIMEOUT_S = 60
 
 
 @pytest.fixture
@@ -255,13 +258,13 @@ def test_cudnn_ragged_sweep(cell, suite_results):
     cmd = [sys.executable, script_path("sweep_varlen_ragged.py"), "--cells", cell,
            "--engines", "flash,cudnn"]  # flash first: a cuDNN hang leaves its row
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=SWEEP_CELL_TIMEOUT_S)
         stdout = done.stdout
         status = "ok" if done.returncode == 0 else f"exit {done.returncode}: " + \
             (done.stderr.strip().splitlines() or [""])[-1][:200]
     except subprocess.TimeoutExpired as e:
         stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        status = "timeout after 300 s (hang)"
+        status = f"timeout after {SWEEP_CELL_TIMEOUT_S} s (hang)"
     rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     out_dir = os.environ.get("OUT")
     if out_dir:
