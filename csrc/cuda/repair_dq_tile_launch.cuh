@@ -185,7 +185,8 @@ void launch_repair_width(const ScanParams& scan, TileParams tiles, int device,
   TORCH_CHECK(config.blocks_per_sm > 0, "openwam::repair_dq_rows: the repair kernel (head_dim width ",
               kWidth, ") does not fit on this GPU's multiprocessors");
   tiles.stages = config.stages;
-  const int cluster = launch_cluster(tiles.s_kv, tiles.tiles_per_head, config.max_clusters);
+  const int cluster =
+      kLaunchClusters ? launch_cluster(tiles.s_kv, tiles.tiles_per_head, config.max_clusters) : 1;
   const int64_t slots =
       cluster > 1 ? config.max_clusters
                   : static_cast<int64_t>(config.blocks_per_sm) *
