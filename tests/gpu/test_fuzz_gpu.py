@@ -143,7 +143,9 @@ def best_stock(q, k, v, go, mask, causal) -> dict:
             for name in Attn._fields}
 
 
-def check_case(i: int, c: dict) -> str | None:
+def check_case(i: int, c: dict, worst: dict) -> str | None:
+    """None when case `i` holds the rule; else what broke. worst[name] keeps
+    the largest err / best stock error seen (the README's measured ratio)."""
     q, k, v, go, mask, causal = inputs(c)
     gqa = c["H"] != c["kv_heads"]
     where = f"case {i} (OPENWAM_FUZZ_SEED={SEED}): {c}"
@@ -169,6 +171,8 @@ def check_case(i: int, c: dict) -> str | None:
             continue  # no finite stock backend: finite is the bar
         yard = min(max_err(s, r) for s in stock[name])
         floor = floor_for(r, c["dtype"])
+        if yard > 0:
+            worst[name] = max(worst.get(name, 0.0), err / yard)
         if err > 2.0 * yard + floor:
             return (f"{where}: {name} error {err:.3e} > 2 x best stock {yard:.3e} + floor "
                     f"{floor:.3e}")
@@ -177,16 +181,18 @@ def check_case(i: int, c: dict) -> str | None:
 
 def test_fuzz_against_stock(suite_results):
     rng = random.Random(SEED)
-    failures, counts = [], {"cases": 0, "dropout": 0}
+    failures, counts, worst = [], {"cases": 0, "dropout": 0}, {}
     t0 = time.time()
     for i in range(CASES):
         c = draw(rng)
-        problem = check_case(i, c)
+        problem = check_case(i, c, worst)
         counts["cases"] += 1
         counts["dropout"] += bool(c["dropout"])
         if problem:
             failures.append(problem)
     suite_results.put("fuzz", f"seed {SEED}", cases=counts["cases"], dropout=counts["dropout"],
-                      failed=len(failures), seconds=round(time.time() - t0, 1))
-    print(f"fuzz: seed {SEED}, {counts['cases']} cases, {len(failures)} failed")
+                      failed=len(failures), seconds=round(time.time() - t0, 1),
+                      **{f"worst {n} / best stock": round(r, 3) for n, r in worst.items()})
+    print(f"fuzz: seed {SEED}, {counts['cases']} cases, {len(failures)} failed, worst error "
+          f"/ best stock: " + ", ".join(f"{n} {r:.2f}" for n, r in worst.items()))
     assert not failures, f"{len(failures)} of {CASES} cases failed:\n" + "\n".join(failures[:10])
