@@ -70,12 +70,14 @@ def build_parser():
         description="openwam_sdpa: torch SDPA with cuDNN's backward NaN defects guarded.",
         epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=version_text())
+    # Each command keeps its parser (`subparser`): errors show its usage line.
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = commands.add_parser(
         "doctor", help="is this stack affected, and does the fix hold? (runs two cases on the GPU)",
         description=doctor.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the facts and the verdict as JSON")
+    p.set_defaults(subparser=p)
 
     p = commands.add_parser(
         "explain", help="what the op would do for given shapes, dtype, mask and head counts",
@@ -106,7 +108,7 @@ def build_parser():
                    default="cuda" if torch.cuda.is_available() else "cpu",
                    help="default: cuda when a CUDA GPU is here")
     p.add_argument("--json", action="store_true", help="print the answer as JSON")
-    p.set_defaults(subparser=p)  # its usage line for the checks argparse cannot make
+    p.set_defaults(subparser=p)
 
     p = commands.add_parser(
         "guards", help="the guard table, and the rows that apply to this stack's cuDNN",
@@ -115,6 +117,7 @@ def build_parser():
     p.add_argument("--cudnn", type=cudnn_version, metavar="VERSION",
                    help="read the table for this cuDNN instead (9.19.0, 9.19 or 91900)")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
+    p.set_defaults(subparser=p)
     return parser
 
 
@@ -286,7 +289,9 @@ def run_guards(args):
 
 def main(argv=None):
     parser = build_parser()
-    args = parser.parse_args(argv)  # exits EXIT_USAGE on a bad command line
+    args, unknown = parser.parse_known_args(argv)  # exits EXIT_USAGE on a bad command line
+    if unknown:
+        getattr(args, "subparser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
