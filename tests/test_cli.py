@@ -152,6 +152,27 @@ def test_explain_for_cuda_without_a_gpu_says_why_and_what_the_table_says(capsys)
     assert code == 0 and "note: no CUDA GPU here" in text
 
 
+@NO_GPU
+def test_explain_for_cuda_when_fake_cuda_tensors_fail(capsys, monkeypatch):
+    """A torch that cannot fake a CUDA device here: meta tensors, said so."""
+    import torch._subclasses.fake_tensor as fake_tensor
+
+    class Failing:
+        def __enter__(self):
+            raise RuntimeError("no CUDA driver")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(fake_tensor, "FakeTensorMode", Failing)
+    got = explain_json(capsys, "--device", "cuda")
+    assert got["route"] == "pytorch" and got["reason"] == "inputs are not on a CUDA device"
+    assert got["notes"][0].startswith("fake CUDA tensors failed here (RuntimeError: no CUDA driver)")
+    assert got["call"]["device"] == "cuda"
+    with pytest.raises(RuntimeError, match="no CUDA driver"):  # nothing to fall back to on the CPU
+        cli.main(["explain", "--device", "cpu"])
+
+
 def test_explain_report(capsys):
     code, out, _ = run_main(capsys, "explain", "--batch", "2", "--heads", "16", "--kv-heads", "4",
                             "--q-len", "307", "--kv-len", "320", "--head-dim", "96",

@@ -157,12 +157,19 @@ def explain(call):
     cannot answer for a GPU."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    # Fake tensors: the decision reads only metadata (as under torch.compile).
-    with FakeTensorMode():
-        q, k, v, mask = fake_inputs(call)
-        answer = ops.explain(q, k, v, mask, call["dropout"], call["causal"], call["scale"],
-                             call["enable_gqa"])
-    answer = dict(answer, call=call, cuda_available=torch.cuda.is_available(), notes=[],
+    args = (call["dropout"], call["causal"], call["scale"], call["enable_gqa"])
+    notes, cuda_available = [], torch.cuda.is_available()
+    try:
+        # Fake tensors: the decision reads only metadata (as under torch.compile).
+        with FakeTensorMode():
+            answer = ops.explain(*fake_inputs(call), *args)
+    except Exception as e:  # noqa: BLE001  (a torch that cannot fake a CUDA device here)
+        if call["device"] != "cuda" or cuda_available:
+            raise
+        notes.append(f"fake CUDA tensors failed here ({type(e).__name__}: {e}); "
+                     "explained for meta tensors of the same shapes")
+        answer = ops.explain(*fake_inputs(dict(call, device="meta")), *args)
+    answer = dict(answer, call=call, cuda_available=cuda_available, notes=notes,
                   shipped_cudnn_key_tail=None)
     rule = next((r for r in ops.guard_rules() if r["name"] == answer["rule"]), None)
     answer["rule_defect"] = rule["defect"] if rule else ""
