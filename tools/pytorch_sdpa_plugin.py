@@ -1,4 +1,4 @@
-"""pytest plugin behind scripts/pytorch_sdpa_tests.py (loaded with -p).
+"""pytest plugin behind tools/pytorch_sdpa_tests.py (loaded with -p).
 
 In the pytest process it: patches F.scaled_dot_product_attention with
 openwam_sdpa before the test file is imported (so the file's own

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The project's test command:   bash scripts/test.sh
+# The project's test command:   bash tools/test.sh
 #
 # 1. installs what the tests need (apt: cmake ninja-build g++ catch2, as root
 #    only; pip: torch==2.13.0 if no torch is importable, the list of
-#    scripts/test_deps.sh (pytest, hypothesis, numpy, pybind11, wheel,
+#    tools/test_deps.sh (pytest, hypothesis, numpy, pybind11, wheel,
 #    setuptools >= 71), and transformers for the optional integration tests;
 #    pip -qq: this machine kind's pip configuration names package indexes
 #    that do not exist, and pip warns about each; errors still show),
@@ -56,7 +56,7 @@ if ! "$PY" -c 'import torch' 2>/dev/null; then
   say "no importable torch: pip install torch==2.13.0"
   "$PY" -m pip install -qq torch==2.13.0 || { say "installing torch failed"; exit 1; }
 fi
-source scripts/test_deps.sh
+source tools/test_deps.sh
 mapfile -t pip_pkgs < <(test_deps_missing "$PY")
 if ((${#pip_pkgs[@]})); then
   say "pip install ${pip_pkgs[*]}"

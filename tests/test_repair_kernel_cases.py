@@ -1,7 +1,8 @@
-"""scripts/probe_repair_kernel.py, the repair kernel's cases for
+"""tools/repair_kernel_cases.py, the repair kernel's cases for
 compute-sanitizer and Nsight Compute (device_run.sh's sanitize and profile
-parts): its case lists cover what BENCHMARKS.md says they cover, and the
-script runs without a GPU (it lists, or says it needs one)."""
+parts): its case lists cover every code path of the kernel and the share
+table's shapes, and the script runs without a GPU (it lists, or says it
+needs one)."""
 
 import subprocess
 import sys
@@ -9,13 +10,13 @@ import sys
 import pytest
 import torch
 
-from support import load_script, script_path
+from support import load_tool, tool_path
 
-SCRIPT = script_path("probe_repair_kernel.py")
+SCRIPT = tool_path("repair_kernel_cases.py")
 
 
-def load_probe():
-    return load_script("probe_repair_kernel.py")
+def load_cases():
+    return load_tool("repair_kernel_cases.py")
 
 
 def test_small_cases_cover_every_kernel_path():
@@ -23,8 +24,8 @@ def test_small_cases_cover_every_kernel_path():
     one zero-filled (72), both element types, a key mask, is_causal, BSHD
     storage, and the narrow (one row per head), partial and full tiles; all
     small enough for an instrumented run."""
-    probe = load_probe()
-    cases = probe.CASES["small"]
+    cases_module = load_cases()
+    cases = cases_module.CASES["small"]
     widths = {64 if c.D <= 64 else 128 if c.D <= 128 else 256 for c in cases}
     assert widths == {64, 128, 256}
     assert any(c.D % 64 != 0 for c in cases)
@@ -37,20 +38,20 @@ def test_small_cases_cover_every_kernel_path():
         assert c.B * c.H * c.s_q * c.s_kv <= 1 << 20, c.label()
 
 
-def test_bench_cases_are_bench_repair_kernels_shapes():
-    probe = load_probe()
-    shapes = {(c.B, c.H, c.s_q, c.s_kv) for c in probe.CASES["bench"]}
+def test_bench_cases_are_the_share_tables_shapes():
+    cases_module = load_cases()
+    shapes = {(c.B, c.H, c.s_q, c.s_kv) for c in cases_module.CASES["bench"]}
     assert shapes == {(16, 24, 704, 704), (32, 24, 360, 64), (4, 24, 4096, 4032)}
-    assert all(c.mask == (c.s_kv == 64) for c in probe.CASES["bench"])
+    assert all(c.mask == (c.s_kv == 64) for c in cases_module.CASES["bench"])
 
 
 @pytest.mark.parametrize("cases", ["small", "bench"])
 def test_list_prints_one_line_per_case(cases):
-    probe = load_probe()
+    cases_module = load_cases()
     run = subprocess.run([sys.executable, SCRIPT, "--list", "--cases", cases],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.splitlines() == [c.label() for c in probe.CASES[cases]]
+    assert run.stdout.splitlines() == [c.label() for c in cases_module.CASES[cases]]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")

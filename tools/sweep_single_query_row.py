@@ -8,7 +8,7 @@ openwam_sdpa at default settings gives no non-finite gradient on every cell
 stock gets wrong. It also times a forward+backward of the affected shapes,
 stock cuDNN against openwam_sdpa (paired rounds), to give the fix's cost.
 
-    python scripts/sweep_single_query_row.py --out OUT_DIR
+    python tools/sweep_single_query_row.py --out OUT_DIR
 
 Writes OUT_DIR/sweep_sq1.json (every cell) and OUT_DIR/sweep_sq1.md (the
 failing region and the cost). About a minute on an H200.

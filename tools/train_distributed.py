@@ -3,8 +3,8 @@
 with compiled blocks) and tensor parallelism over DTensor, each compared with
 a single-device run of the same model and data.
 
-    torchrun --nproc-per-node 2 scripts/train_distributed.py --out OUT
-    torchrun --nproc-per-node 2 scripts/train_distributed.py --device cpu --tiny --out OUT
+    torchrun --nproc-per-node 2 tools/train_distributed.py --out OUT
+    torchrun --nproc-per-node 2 tools/train_distributed.py --device cpu --tiny --out OUT
 
 A small randomly initialised transformer whose attention calls
 openwam_sdpa.sdpa trains 5 steps (bf16, SGD) on a left-padded batch at a key

@@ -7,7 +7,7 @@ it exercises masks of every rank and dtype, scales, dropout, nested tensors,
 CausalBias, autocast, torch.compile, sdpa_kernel restrictions and the error
 cases. This script runs a chosen set of its tests twice, in two pytest
 processes: once plain, once with patch() applied before the file is imported
-(scripts/pytorch_sdpa_plugin.py), and reports the tests that fail only when
+(tools/pytorch_sdpa_plugin.py), and reports the tests that fail only when
 patched, grouped into families by exception type and the first line of the
 message. That list is the to-do list for a faithful drop-in.
 
@@ -23,8 +23,8 @@ utilities import (a stand-in only where it is not installed).
 
 Usage (from the repository root, openwam_sdpa installed):
 
-    python3 scripts/pytorch_sdpa_tests.py --device cpu --out build/pt-cpu
-    python3 scripts/pytorch_sdpa_tests.py --device cuda --out $OUT/pt   # GPU machine,
+    python3 tools/pytorch_sdpa_tests.py --device cpu --out build/pt-cpu
+    python3 tools/pytorch_sdpa_tests.py --device cuda --out $OUT/pt   # GPU machine,
                                                  # run(..., carry=[".external"])
 
 Tests are chosen from the device's instantiated classes (TestSDPACPU, ... or

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Builds openwam_sdpa against one torch release and runs the CPU suite on it:
 #
-#     bash scripts/test_torch_version.sh 2.14.1
+#     bash tools/test_torch_version.sh 2.14.1
 #
 # The checkout you work in is left alone (its editable install, its build/py
 # and build/cmake, the system Python's torch). Everything lives in
 # build/torch-VERSION/:
 #   venv/   a virtual environment with torch==VERSION and the test deps
-#           (scripts/test_deps.sh, as scripts/test.sh; transformers when it
+#           (tools/test_deps.sh, as tools/test.sh; transformers when it
 #           installs). Kept and reused: the CUDA wheels are ~5.5 GB.
 #   src/    a snapshot of the sources (see OPENWAM_TV_SOURCE); the extension is
 #           built there and installed into venv/ (not editable), so the
@@ -43,7 +43,7 @@ set -uo pipefail
 
 VERSION=${1:-}
 if [[ ! "$VERSION" =~ ^[0-9]+\.[0-9]+(\.[0-9]+)?([a-z0-9.+]*)$ ]]; then
-  echo "usage: bash scripts/test_torch_version.sh TORCH_VERSION   (e.g. 2.14.1)" >&2
+  echo "usage: bash tools/test_torch_version.sh TORCH_VERSION   (e.g. 2.14.1)" >&2
   exit 2
 fi
 
@@ -91,7 +91,7 @@ if [[ "${have%%+*}" != "${VERSION%%+*}" ]]; then
     exit 1
   fi
 fi
-source scripts/test_deps.sh
+source tools/test_deps.sh
 mapfile -t missing < <(test_deps_missing "$VPY")
 if ((${#missing[@]})); then
   say "pip install ${missing[*]}"

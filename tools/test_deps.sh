@@ -1,5 +1,5 @@
-# The Python packages the test suites need, for scripts/test.sh and
-# scripts/test_torch_version.sh (sourced by both, so that the two install the
+# The Python packages the test suites need, for tools/test.sh and
+# tools/test_torch_version.sh (sourced by both, so that the two install the
 # same list). transformers is not here: it is optional (only its integration
 # tests need it) and each script installs it on its own terms.
 

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# The one script for the H200 device machine (torch 2.11+cu130, nvcc 13.0, no
-# network). Run from the repository root there, carrying .deps (the Catch2 .deb):
+# The GPU machine's checks in one run: build, the test suites, the doctor, the
+# benchmarks, compute-sanitizer and Nsight Compute on the repair kernel.
+# Written for an H200 machine with torch 2.11+cu130, nvcc 13.0 and no network;
+# run from the repository root there (carry .deps/catch2_*.deb if the machine
+# has no Catch2):
 #
-#   run(command="bash scripts/device_run.sh", carry=[".deps"])
-#   run(command="bash scripts/device_run.sh build tests", carry=[".deps"])   # no benchmark
-#   run(command="bash scripts/device_run.sh build gpu repair host")   # suite + repair + host figures
-#   run(command="PYTEST_ARGS='-k adversarial' bash scripts/device_run.sh gpu")
+#   bash tools/device_run.sh                          # build tests doctor bench
+#   bash tools/device_run.sh build tests              # no benchmark
+#   bash tools/device_run.sh build gpu host           # GPU suite + host figures
+#   PYTEST_ARGS='-k adversarial' bash tools/device_run.sh gpu
 #
 # Parts (default: build tests doctor bench):
 #   build   the extension: pip install --no-build-isolation --no-deps -e .
@@ -15,45 +18,35 @@
 #   gpu     python -m pytest -q tests/gpu
 #   tests   = ctest cpu gpu
 #   doctor  python -m openwam_sdpa doctor (report to $OUT/doctor.txt)
-#   sweep   python scripts/sweep_single_query_row.py --out $OUT/sweep
-#   pytorch python scripts/pytorch_sdpa_tests.py --device cuda --out $OUT/pt
+#   sweep   python tools/sweep_single_query_row.py --out $OUT/sweep
+#   pytorch python tools/pytorch_sdpa_tests.py --device cuda --out $OUT/pt
 #           (PyTorch's own SDPA tests, plain and patched; carry .external)
 #   bench   python benchmarks/bench_sdpa.py --out $OUT/bench $BENCH_ARGS
-#   repair  python benchmarks/bench_repair_kernel.py --out $OUT/repair (the
-#           repair's own device time by share; its table in $OUT/repair.txt)
 #   host    python benchmarks/bench_host.py --out $OUT/host (host time per
 #           call, layer by layer, paired rounds)
 #   sanitize compute-sanitizer memcheck, racecheck and synccheck on the repair
-#           kernel alone (scripts/probe_repair_kernel.py --cases small;
+#           kernel alone (tools/repair_kernel_cases.py --cases small;
 #           report in $OUT/sanitize.txt)
-#   profile ncu on the repair kernel at bench_repair_kernel's shapes
-#           (probe_repair_kernel.py --cases bench; report in $OUT/ncu.txt),
+#   profile ncu on the repair kernel at the share table's shapes
+#           (tools/repair_kernel_cases.py --cases bench; report in $OUT/ncu.txt),
 #           then its stalls per SASS instruction on one case (PROFILE_MATCH,
 #           default "32x24x360x64 one_per_head"; $OUT/ncu_source.csv)
-#   ab      the repair kernel alone, a base revision against this tree on the
-#           same machine: `bash scripts/ab_prepare.sh REV` here first and
-#           carry build/ab_base; builds it in place, then runs
-#           bench_repair_kernel.py base, new, new, base, ... (AB_ROUNDS
-#           pairs, default 2; AB_ARGS, e.g. --quick); table in $OUT/ab.txt
-#           (scripts/ab_compare.py)
 # A test part on a machine without the built extension builds it first.
 #
-# Files under $OUT (at most 8 come back): build.log (extension + CMake build),
-# tests.log (ctest and both pytest runs), gpu_suite_results.{json,md} (written
-# by tests/gpu/conftest.py), doctor.txt, bench/bench.{json,md,png}, repair.txt
-# and repair/repair_kernel.json, host/host.{json,md}, sanitize.txt, ncu.txt,
-# ncu_source.csv, ab.txt.
-# With JUNIT=1 also pytest_gpu.xml. Choose parts whose files number 8 or fewer.
-# The summary table is printed last. The whole run stops itself before
-# DEVICE_BUDGET_S seconds (default 560; the tool's limit is 600): parts that
-# no longer fit are reported as "skipped (time)".
+# Files under $OUT (default build/device-out): build.log (extension + CMake
+# build), tests.log (ctest and both pytest runs), gpu_suite_results.{json,md}
+# (written by tests/gpu/conftest.py), doctor.txt, bench/bench.{json,md,png},
+# host/host.{json,md}, sanitize.txt, ncu.txt, ncu_source.csv; with JUNIT=1
+# also pytest_gpu.xml. The summary table is printed last. The whole run stops
+# itself before DEVICE_BUDGET_S seconds (default 560): parts that no longer
+# fit are reported as "skipped (time)".
 #
 # Environment: PYTEST_ARGS (extra args for both pytest runs, split on spaces:
 #   write `--deselect=ID` or `-k name`, not a quoted multi-word -k), BENCH_ARGS,
 #   TORCH_CUDA_ARCH_LIST (default 9.0a), MAX_JOBS (default: cores),
 #   FULL_BUILD=1 (always the pip build), JUNIT=1, DEVICE_BUDGET_S,
-#   GPU_CAP (the GPU suite's time limit, default 420 s: it took 296-316 s on
-#   the H200 on 2026-12-01, over the 300 s it had before).
+#   GPU_CAP (the GPU suite's time limit, default 420 s; the suite takes
+#   about 300-370 s on an H200).
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -69,7 +62,7 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 # The machine's default CXX, /opt/gcc/bin/g++, links a private copy of
 # libstdc++'s stream code into the extension, which then segfaults formatting
-# its first error message (2026-11-30; setup.py now refuses such a build).
+# its first error message (setup.py refuses such a build).
 # The system compiler builds against the libstdc++ the process loads.
 if [[ -x /usr/bin/g++ && -x /usr/bin/gcc ]]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
 # CMake 4 (pip's) refuses config files that declare a minimum below 3.5.
@@ -98,7 +91,7 @@ section() { local f=$1; shift; printf '\n===== %s =====\n' "$*" >>"$f"; }
 parts=("$@")
 ((${#parts[@]})) || parts=(build tests doctor bench)
 want_build=0 want_ctest=0 want_cpu=0 want_gpu=0 want_doctor=0 want_bench=0 want_sweep=0 want_pytorch=0
-want_repair=0 want_host=0 want_sanitize=0 want_profile=0 want_ab=0
+want_host=0 want_sanitize=0 want_profile=0
 for p in "${parts[@]}"; do
   case $p in
     build) want_build=1 ;;
@@ -110,13 +103,11 @@ for p in "${parts[@]}"; do
     bench) want_bench=1 ;;
     sweep) want_sweep=1 ;;
     pytorch) want_pytorch=1 ;;
-    repair) want_repair=1 ;;
-    ab) want_ab=1 ;;
     host) want_host=1 ;;
     sanitize) want_sanitize=1 ;;
     profile) want_profile=1 ;;
     all) want_build=1 want_ctest=1 want_cpu=1 want_gpu=1 want_doctor=1 want_bench=1 ;;
-    *) echo "device_run.sh: unknown part '$p' (build ctest cpu gpu tests doctor sweep pytorch bench repair host sanitize profile ab all)"; exit 2 ;;
+    *) echo "device_run.sh: unknown part '$p' (build ctest cpu gpu tests doctor sweep pytorch bench host sanitize profile all)"; exit 2 ;;
   esac
 done
 
@@ -134,7 +125,7 @@ cmake $(cmake --version 2>/dev/null | head -1 | grep -oE '[0-9.]+$'), $(nproc) c
 TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, parts: ${parts[*]}"
 
 st_build="-" st_ctest="-" st_cpu="-" st_gpu="-" st_doctor="-" st_bench="-" st_sweep="-" st_pytorch="-" build_s="-"
-st_repair="-" st_host="-" st_sanitize="-" st_profile="-" st_ab="-"
+st_host="-" st_sanitize="-" st_profile="-"
 
 ext_importable() {
   (cd /tmp && "$PY" -c 'import openwam_sdpa._C' >/dev/null 2>&1)
@@ -166,7 +157,7 @@ do_build() {
   fi
   say "build: $st_build"
 }
-if ((want_build)) || { ((want_cpu || want_gpu || want_doctor || want_bench || want_sweep || want_pytorch || want_repair || want_host || want_sanitize || want_profile || want_ab)) && ! ext_importable; }; then
+if ((want_build)) || { ((want_cpu || want_gpu || want_doctor || want_bench || want_sweep || want_pytorch || want_host || want_sanitize || want_profile)) && ! ext_importable; }; then
   do_build
 fi
 
@@ -272,61 +263,13 @@ script_part() {
 }
 if ((want_sweep)); then
   mkdir -p "$OUT/sweep"
-  script_part sweep 180 "$TESTS_LOG" "$PY" scripts/sweep_single_query_row.py --out "$OUT/sweep"
+  script_part sweep 180 "$TESTS_LOG" "$PY" tools/sweep_single_query_row.py --out "$OUT/sweep"
   st_sweep=$REPLY
 fi
 if ((want_pytorch)); then
   mkdir -p "$OUT/pt"
-  script_part pytorch 360 "$TESTS_LOG" "$PY" scripts/pytorch_sdpa_tests.py --device cuda --out "$OUT/pt" ${PT_ARGS:-}
+  script_part pytorch 360 "$TESTS_LOG" "$PY" tools/pytorch_sdpa_tests.py --device cuda --out "$OUT/pt" ${PT_ARGS:-}
   st_pytorch=$REPLY
-fi
-if ((want_repair)); then
-  script_part repair 240 "$OUT/repair.txt" "$PY" benchmarks/bench_repair_kernel.py --out "$OUT/repair"
-  st_repair=$REPLY
-fi
-# Base and new built on this machine and run in turns: the spread between
-# two machines on the same code (3-5%, runs F1-F6 of 2026-12-01) is larger
-# than the kernel changes it would have to show.
-if ((want_ab)); then
-  if [[ ! -f build/ab_base/setup.py ]]; then
-    st_ab="FAILED: no build/ab_base (run scripts/ab_prepare.sh REV, then carry build/ab_base)"
-  else
-    section "$TESTS_LOG" "ab: base $(cat build/ab_base/REVISION 2>/dev/null) (build_ext --inplace --force: never a carried build)"
-    run_limited 300 "$TESTS_LOG" bash -c 'cd build/ab_base && "$0" setup.py -q build_ext --inplace --force' "$PY"
-    rc=$?
-    base_py=(env PYTHONPATH="$ROOT/build/ab_base/python" "$PY")
-    where=$(cd /tmp && "${base_py[@]}" -c 'import openwam_sdpa; print(openwam_sdpa.__file__)' 2>&1)
-    if ((rc != 0)); then
-      st_ab="FAILED: the base did not build (rc $rc; tests.log)"
-    elif [[ "$where" != "$ROOT/build/ab_base/"* ]]; then
-      st_ab="FAILED: the base run would import $where"
-    else
-      base=() new=() rc=0
-      run_base() {  # shellcheck disable=SC2086  # AB_ARGS: options, split on spaces
-        run_limited 150 "$TESTS_LOG" "${base_py[@]}" build/ab_base/benchmarks/bench_repair_kernel.py \
-          ${AB_ARGS:-} --out "$OUT/ab/base_$1" || rc=1
-        base+=("$OUT/ab/base_$1/repair_kernel.json")
-      }
-      run_new() {  # shellcheck disable=SC2086
-        run_limited 150 "$TESTS_LOG" "$PY" benchmarks/bench_repair_kernel.py ${AB_ARGS:-} \
-          --out "$OUT/ab/new_$1" || rc=1
-        new+=("$OUT/ab/new_$1/repair_kernel.json")
-      }
-      # Base first in odd rounds, new first in even ones: an order effect
-      # falls on both sides.
-      for ((i = 1; i <= ${AB_ROUNDS:-2}; i++)); do
-        section "$TESTS_LOG" "ab: round $i"
-        if ((i % 2)); then run_base "$i"; run_new "$i"; else run_new "$i"; run_base "$i"; fi
-      done
-      {
-        echo "# base $(cat build/ab_base/REVISION 2>/dev/null) against this tree, one machine; kernel µs (profiler)"
-        "$PY" scripts/ab_compare.py --base "${base[@]}" --new "${new[@]}"
-      } >"$OUT/ab.txt" 2>>"$TESTS_LOG" || rc=1
-      rm -rf "$OUT/ab"  # the table holds every run's figure
-      if ((rc == 0)); then st_ab="ok (ab.txt)"; else st_ab="FAILED (tests.log)"; fi
-    fi
-  fi
-  say "ab: $st_ab"
 fi
 if ((want_host)); then
   script_part host 300 "$TESTS_LOG" "$PY" benchmarks/bench_host.py --out "$OUT/host"
@@ -339,7 +282,7 @@ if ((want_sanitize)); then
   bad=()
   for tool in racecheck memcheck synccheck; do
     script_part "sanitize $tool" 150 "$OUT/sanitize.txt" compute-sanitizer --tool "$tool" \
-      --kernel-name kns=repair_kernel --error-exitcode 3 "$PY" scripts/probe_repair_kernel.py --cases small
+      --kernel-name kns=repair_kernel --error-exitcode 3 "$PY" tools/repair_kernel_cases.py --cases small
     [[ "$REPLY" == ok ]] || bad+=("$tool: $REPLY")
   done
   if ((${#bad[@]})); then st_sanitize="FAILED: ${bad[*]}"; else st_sanitize="ok (racecheck, memcheck, synccheck)"; fi
@@ -353,13 +296,13 @@ if ((want_profile)); then
   script_part profile 240 "$OUT/ncu.txt" ncu --clock-control none --kernel-name regex:repair_kernel \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
     --section WarpStateStats --section SchedulerStats --section LaunchStats --csv --page details \
-    "$PY" scripts/probe_repair_kernel.py --cases bench
+    "$PY" tools/repair_kernel_cases.py --cases bench
   details=$REPLY
   # Where the warps of one case stall, per SASS instruction (sampled).
   script_part "profile source" 120 "$OUT/ncu_source.csv" ncu --clock-control none \
     --kernel-name regex:repair_kernel --section WarpStateStats --section SourceCounters \
     --csv --page source --print-source sass \
-    "$PY" scripts/probe_repair_kernel.py --cases bench --match "${PROFILE_MATCH:-32x24x360x64 one_per_head}"
+    "$PY" tools/repair_kernel_cases.py --cases bench --match "${PROFILE_MATCH:-32x24x360x64 one_per_head}"
   if [[ "$details" == ok && "$REPLY" == ok ]]; then
     st_profile="ok (details, source)"
   else
@@ -394,12 +337,12 @@ nfiles=$(find "$OUT" -type f | wc -l)
 echo
 echo "==================== device_run summary ($((SECONDS - T0))s) ===================="
 printf '%-7s %s\n' build "$st_build" ctest "$st_ctest" cpu "$st_cpu" gpu "$st_gpu" doctor "$st_doctor" \
-  sweep "$st_sweep" pytorch "$st_pytorch" bench "$st_bench" repair "$st_repair" host "$st_host" \
-  sanitize "$st_sanitize" profile "$st_profile" ab "$st_ab"
-printf '%-7s %s\n' files "$nfiles under \$OUT$( ((nfiles > 8)) && echo ' (OVER 8: some will not come back)')"
+  sweep "$st_sweep" pytorch "$st_pytorch" bench "$st_bench" host "$st_host" \
+  sanitize "$st_sanitize" profile "$st_profile"
+printf '%-7s %s\n' files "$nfiles under $OUT"
 fail=0
 for s in "$st_build" "$st_ctest" "$st_cpu" "$st_gpu" "$st_doctor" "$st_sweep" "$st_pytorch" "$st_bench" \
-         "$st_repair" "$st_host" "$st_sanitize" "$st_profile" "$st_ab"; do
+         "$st_host" "$st_sanitize" "$st_profile"; do
   [[ "$s" == "-" || "$s" == ok* || "$s" == "no benchmarks"* ]] || fail=1
 done
 exit $fail

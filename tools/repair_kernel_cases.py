@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """The dQ-row repair kernel, launched once per case, for the tools that watch
 a kernel from outside: compute-sanitizer (memcheck, racecheck, synccheck)
-and Nsight Compute (ncu). Timing is benchmarks/bench_repair_kernel.py's job.
+and Nsight Compute (ncu). Timing is benchmarks/bench_sdpa.py's job (the share
+table).
 
-    python3 scripts/probe_repair_kernel.py --cases small   # sanitizers
-    python3 scripts/probe_repair_kernel.py --cases bench   # ncu
-    python3 scripts/probe_repair_kernel.py --list --cases small
+    python3 tools/repair_kernel_cases.py --cases small   # sanitizers
+    python3 tools/repair_kernel_cases.py --cases bench   # ncu
+    python3 tools/repair_kernel_cases.py --list --cases small
 
 small: tiny shapes (two heads, 130 query rows) over what changes the
 kernel's code path: head_dim widths 64, 128 and 256 (and 72, zero-filled to
@@ -13,7 +14,7 @@ kernel's code path: head_dim widths 64, 128 and 256 (and 72, zero-filled to
 passes), is_causal, BSHD storage, one affected row per head (the narrow
 tile), 10% and every row, -inf rows. A sanitizer instruments every access,
 so these must stay small.
-bench: bench_repair_kernel.py's shapes at head_dim 128 with no affected
+bench: the share table's shapes at head_dim 128 with no affected
 row (the count walks alone), one row per head, 10% and every row (what a
 profile of the tile should explain). --match keeps the cases whose label
 holds a substring (one case for a per-instruction profile).
@@ -23,7 +24,7 @@ for out and logsumexp, fills dQ with NaN and runs the repair once; it
 then checks every affected row finite and every -inf row zero (the same
 rule as the GPU tests, without their error bounds). Exit status 1 if a case
 fails that check, 0 otherwise; the sanitizers add their own
-(scripts/device_run.sh's `sanitize` and `profile` parts run them).
+(tools/device_run.sh's `sanitize` and `profile` parts run them).
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
             print(c.label())
         return 0
     if not torch.cuda.is_available():
-        print("probe_repair_kernel: needs a CUDA GPU")
+        print("repair_kernel_cases: needs a CUDA GPU")
         return 0
     import openwam_sdpa  # noqa: F401  (registers torch.ops.openwam)
 
