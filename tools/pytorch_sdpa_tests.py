@@ -24,8 +24,8 @@ utilities import (a stand-in only where it is not installed).
 Usage (from the repository root, openwam_sdpa installed):
 
     python3 tools/pytorch_sdpa_tests.py --device cpu --out build/pt-cpu
-    python3 tools/pytorch_sdpa_tests.py --device cuda --out $OUT/pt   # GPU machine,
-                                                 # run(..., carry=[".external"])
+    python3 tools/pytorch_sdpa_tests.py --device cuda --out $OUT/pt   # on a GPU machine,
+                                                 # with .external/ copied along
 
 Tests are chosen from the device's instantiated classes (TestSDPACPU, ... or
 ...CUDA) whose base name matches --classes (globs; default: TestSDPA*,
