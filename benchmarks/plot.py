@@ -61,13 +61,19 @@ def r2(x):
 
 
 def med(ratios, name, key=None):
-    r = ratios.get(name, {})
-    r = r.get(key, {}) if key else r
+    """The median of a paired ratio, None where the run has none (a CPU selftest)."""
+    r = ratios.get(name) or {}
+    r = (r.get(key) or {}) if key else r
     return r.get("median")
 
 
 def median(xs):
-    return percentile(xs, 50)
+    xs = [x for x in xs or [] if x is not None]
+    return percentile(xs, 50) if xs else None
+
+
+def nan_if_none(x):
+    return float("nan") if x is None else x
 
 
 def signed(x):
@@ -105,9 +111,9 @@ def host_table(res):
         case = c["case"]
         mask = {"none": "no mask", "full": "bool [B,1,Sq,Skv]", "keys": "bool [B,1,1,Skv]"}[case["mask"]]
         rows.append([f"{case['name']}: B{case['batch']} H{case['heads']} D{case['head_dim']} {case['s_q']}x{case['s_kv']}, {mask}",
-                     f"{median(fwd['runs']['stock']['us']):.1f}", signed(fwd["deltas"]["openwam"]["median"]),
-                     f"{median(bwd['runs']['stock']['us']):.1f}", signed(bwd["deltas"]["openwam"]["median"]),
-                     signed(bwd["deltas"]["stock-again"]["median"]), c["decision"]["plan"]])
+                     report.num(median(fwd["runs"]["stock"]["us"]), "{:.1f}"), signed(med(fwd["deltas"], "openwam")),
+                     report.num(median(bwd["runs"]["stock"]["us"]), "{:.1f}"), signed(med(bwd["deltas"], "openwam")),
+                     signed(med(bwd["deltas"], "stock-again")), c["decision"]["plan"]])
     return report.md_table(["call", "stock fwd µs", "openwam − stock", "stock bwd µs",
                             "openwam − stock", "A/A bwd", "plan"], rows)
 
@@ -117,7 +123,7 @@ def model_table(res):
     for c in res["configs"]:
         ratios, first = c["ratios"], c["first_step"]
         stock_gpu = median(c["runs"]["sdpa"]["gpu_ms"])
-        rows.append([c["size"], c["mode"], f"{c['batch']}x{c['seq']}", c["padding"], f"{stock_gpu:.1f}",
+        rows.append([c["size"], c["mode"], f"{c['batch']}x{c['seq']}", c["padding"], report.num(stock_gpu, "{:.1f}"),
                      r2(med(ratios, "openwam_sdpa", "gpu_ms")), r2(med(ratios, "openwam_sdpa", "wall_ms")),
                      r2(med(ratios, "sdpa-no-cudnn", "gpu_ms")),
                      f"{first['sdpa']['nonfinite_grads']:,} / {first['openwam_sdpa']['nonfinite_grads']}"])
@@ -210,9 +216,9 @@ def plot_shares(res, path):
     fig, ax = plt.subplots(figsize=(8, 3.6))
     xs = range(len(SHARES))
     for e in res["shares"]:
-        ys = [med(e["cells"][k]["ratios"], "openwam-default") for k, _ in SHARES]
+        ys = [nan_if_none(med(e["cells"][k]["ratios"], "openwam-default")) for k, _ in SHARES]
         line, = ax.plot(xs, ys, marker="o", label=e["label"].replace("B", "", 1))
-        ax.plot(xs, [med(e["cells"][k]["ratios"], "openwam-always") for k, _ in SHARES],
+        ax.plot(xs, [nan_if_none(med(e["cells"][k]["ratios"], "openwam-always")) for k, _ in SHARES],
                 linestyle=":", color=line.get_color())
     for x, (k, _) in enumerate(SHARES):
         ax.hlines(BOUNDS[k], x - 0.3, x + 0.3, colors="black", linestyles="--", linewidth=1)
@@ -238,7 +244,7 @@ def plot_model(res, path):
               ("sdpa-no-cudnn", "gpu_ms", "stock without cuDNN, GPU time")]
     for i, (name, key, label) in enumerate(series):
         ax.bar([x + (i - 1) * width for x in range(len(configs))],
-               [med(c["ratios"], name, key) for c in configs], width, label=label)
+               [nan_if_none(med(c["ratios"], name, key)) for c in configs], width, label=label)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(configs)),
                   [f"{c['size']} {c['mode']}\n{c['batch']}x{c['seq']}\n{c['padding']}" for c in configs],

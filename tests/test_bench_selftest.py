@@ -83,8 +83,8 @@ def test_block_benchmark_selftest(tmp_path):
     assert set(result["ratios"]) == {"openwam", "stock-again"}
     assert len(result["decisions"]) == 3
     md, _ = plot(tmp_path, f"block={tmp_path / 'block.json'}")
-    assert [line.split("|")[1].strip() for line in md.splitlines() if line.startswith("| ")][2:] == [
-        "GPU busy", "host", "wall"]
+    rows = [line.split("|")[1].strip() for line in md.splitlines() if line.startswith("| ")]
+    assert rows == ["per step", "GPU busy", "host", "wall"]
 
 
 def test_host_benchmark_selftest(tmp_path):
@@ -103,5 +103,5 @@ def test_model_benchmark_selftest(tmp_path):
     assert [(e["mode"], e["padding"]) for e in result["configs"]] == [
         ("eager", "left"), ("eager", "none"), ("compile", "left")]
     md, pngs = plot(tmp_path, f"model={tmp_path / 'model.json'}")
-    assert len([line for line in md.splitlines() if line.startswith("| ")]) == 2 + len(result["configs"])
+    assert len([line for line in md.splitlines() if line.startswith("| ")]) == 1 + len(result["configs"])
     assert pngs == (["model.png"] if has_matplotlib() else [])
