@@ -3,7 +3,7 @@
 The import check itself (python/openwam_sdpa/_extension.py) is exercised with
 a stand-in for the compiled module, so every release can be tried on any torch.
 The schema test runs against the torch actually installed: run under each
-release with scripts/test_torch_version.sh, it is what "checked for 2.11-2.14"
+release with tools/test_torch_version.sh, it is what "checked for 2.11-2.14"
 rests on.
 """
 
