@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds openwam_sdpa against one torch release and runs the CPU suite on it:
 #
-#     bash tools/test_torch_version.sh 2.14.1
+#     bash tools/test_torch_version.sh 2.15.0
 #
 # The checkout you work in is left alone (its editable install, its build/py
 # and build/cmake, the system Python's torch). Everything lives in
@@ -19,14 +19,16 @@
 # ctest, and ends with one line: torch, build variant, source, counts, time.
 # Exit status 0 only if the build, pytest and ctest all passed.
 #
-# On a CUDA torch (the 2.14.1 wheel is one) the extension is the CUDA variant:
-# nvcc must match torch's CUDA major (13.0 here). TORCH_CUDA_ARCH_LIST defaults
-# to 9.0 (sm90, where the defect lives; setup.py's own default compiles the
-# CUDA files for three targets). setup.py picks C++17 or C++20 from torch's
-# headers (2.14 needs C++20). ctest builds the library without its CUDA kernels:
-# the Catch2 tests run on the CPU. On 2 cores the first run with torch 2.14.1
-# took about 4 min for the extension, 1.5-2 min for pytest and several
-# minutes for the CMake build; later runs recompile only what changed.
+# On a CUDA torch (the 2.14.1 and 2.15.0 wheels are, CUDA 13.0 and 13.2) the
+# extension is the CUDA variant: nvcc must match torch's CUDA major (nvcc 13.0
+# builds against 2.15.0's 13.2; torch warns of the minor).
+# TORCH_CUDA_ARCH_LIST defaults to 9.0a (sm90, where the defect lives;
+# setup.py's own default compiles the CUDA files for three targets). setup.py
+# picks C++17 or C++20 from torch's headers (2.14 and 2.15 need C++20). ctest
+# builds the library without its CUDA kernels: the Catch2 tests run on the
+# CPU. On 2 cores the first run with torch 2.14.1 took about 4 min for the
+# extension, 1.5-2 min for pytest and several minutes for the CMake build;
+# later runs recompile only what changed.
 #
 # Environment:
 #   OPENWAM_TV_DIR      the working directory (default build/torch-VERSION)
@@ -36,6 +38,10 @@
 #                       or a commit, e.g. HEAD (`git archive`: the committed code)
 #   OPENWAM_TV_CTEST=0  skip CMake + ctest
 #   PYTHON              the interpreter the venv is made from (default python3)
+#   PIP_CONSTRAINT      pip's own: a pip.conf constraint that caps torch below
+#                       VERSION stops the install ("The user requested
+#                       (constraint) torch<=..." in pip.log);
+#                       PIP_CONSTRAINT=/dev/null lifts it for this run
 #   PYTEST_ARGS         extra pytest arguments (split on spaces)
 #   TORCH_CUDA_ARCH_LIST, MAX_JOBS (default: cores), OPENWAM_SDPA_NO_CUDA=1
 #                       (CPU-only extension on a CUDA torch): passed to setup.py
@@ -86,7 +92,9 @@ if [[ "${have%%+*}" != "${VERSION%%+*}" ]]; then
   "$VPY" -m pip install "torch==$VERSION" 2>&1 | quiet_pip >"$LOGS/pip.log"
   have=$(installed_torch)
   if [[ "${have%%+*}" != "${VERSION%%+*}" ]]; then
-    tail -5 "$LOGS/pip.log"
+    # Why, when pip says it: a constraint, or no such release for this Python.
+    grep -m3 -E "requested \(constraint\)|No matching distribution" "$LOGS/pip.log" ||
+      tail -5 "$LOGS/pip.log"
     say "FAILED: torch==$VERSION did not install (see $LOGS/pip.log)"
     exit 1
   fi
