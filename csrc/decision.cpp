@@ -23,24 +23,6 @@ const char* backend_name(int64_t choice) {
 
 constexpr int64_t kCudnnChoice = static_cast<int64_t>(at::SDPBackend::cudnn_attention);
 
-// The checks F.sdpa makes before its selector runs (validate_sdpa_input in
-// ATen's attention.cpp): a call failing them must reach PyTorch untouched, to
-// fail with PyTorch's own error.
-bool passes_pytorch_validation(const SdpaCall& c) {
-  const at::Tensor& q = c.query;
-  if (q.scalar_type() != c.key.scalar_type() || q.scalar_type() != c.value.scalar_type()) {
-    return false;
-  }
-  if (q.device() != c.key.device() || q.device() != c.value.device()) return false;
-  if (q.dim() < 2 || c.key.dim() < 2 || c.value.dim() < 2) return false;
-  if (q.is_nested() || c.key.is_nested() || c.value.is_nested()) return false;
-  if (c.attn_mask.has_value()) {
-    const at::ScalarType m = c.attn_mask->scalar_type();
-    if (m != at::kBool && m != at::kFloat && m != q.scalar_type()) return false;
-  }
-  return true;
-}
-
 bool any_input_empty(const SdpaCall& c) {
   // sym_numel: numel() throws on the symbolic sizes of a dynamic-shape trace.
   return c.query.sym_numel() == 0 || c.key.sym_numel() == 0 || c.value.sym_numel() == 0;
