@@ -57,6 +57,12 @@ at::Tensor sdpa_autocast(const at::Tensor& query, const at::Tensor& key,
 TORCH_LIBRARY_IMPL(openwam, CompositeImplicitAutograd, m) {
   m.impl("sdpa", &openwam::sdpa);
 }
+// Under torch.func.vmap the composite kernel runs too (as functorch does for
+// ATen's composite ops), and decide() hands the batched call to F.sdpa's own
+// batching; without this the vmap fallback loops per sample, and warns.
+TORCH_LIBRARY_IMPL(openwam, FuncTorchBatchedDecomposition, m) {
+  m.impl("sdpa", &openwam::sdpa);
+}
 TORCH_LIBRARY_IMPL(openwam, AutocastCUDA, m) {
   m.impl("sdpa", &openwam::sdpa_autocast<c10::DeviceType::CUDA>);
 }
