@@ -88,7 +88,7 @@ Decision decide(const SdpaCall& call, const Settings& settings, const Stack& sta
   }
   if (any_input_empty(call)) {
     // torch 2.11's fused CPU kernel dies of SIGFPE on zero heads (measured on
-    // the H200 machine, 2026-11-30; pytorch #174939): empty CPU calls go to
+    // the H200 machine; pytorch #174939): empty CPU calls go to
     // the math backend where it is allowed. Everything else empty is
     // PyTorch's to answer (its fused CUDA kernels refuse empty sequences).
     const bool math_serves = call.query.device().is_cpu() && stack.math_sdp_enabled &&

@@ -57,7 +57,7 @@ const std::vector<GuardRule>& table() {
       // Measured by this project on an H200 (torch 2.11.0+cu130, cuDNN 9.19.0):
       // s_kv = 256 + r for r = 1..127 and s_kv in 1..127,
       // 1025..1151, head_dim 64 and 128: only r == 64 gave NaN dQ; is_causal
-      // never did (BENCHMARKS.md, "The key-tail sweep").
+      // never did (docs/performance.md).
       {"key_tail_nan_dq_9.19",
        {k9_19_0, k9_19_0 + 1},
        {k9_19_0, k9_19_0 + 1},
@@ -82,7 +82,7 @@ const std::vector<GuardRule>& table() {
        "cudnn-frontend #160, PR #628 (fixed in cuDNN 9.26, torch 2.15's: reported "
        "upstream, not measured by this project); pytorch #196678"},
       // Measured by this project on 9.19.0 (H200; the sweep of
-      // scripts/sweep_single_query_row.py): of 798 cells, stock cuDNN wrote NaN
+      // tools/sweep_single_query_row.py): of 798 cells, stock cuDNN wrote NaN
       // into dK (and dV) in 157, every one at batch 1 with one query row and a
       // logsumexp at or below -89 (clean at -88 and above, at batch 2 and 3 and
       // at s_q 2), with no mask, bool and additive masks, grouped-query
