@@ -42,6 +42,11 @@ bool single_row_single_head_hits(const CallShape& s, long /*version*/) {
   return s.batch == 1 && s.heads == 1 && s.s_q == 1;
 }
 
+// ---- The ragged layout (openwam::sdpa_varlen's cuDNN engine) ----
+// A ragged call's s_q and s_kv are its longest sequences; dense calls never
+// hit these rows.
+bool ragged_hits(const CallShape& s, long /*version*/) { return s.ragged; }
+
 const std::vector<GuardRule>& table() {
   static const std::vector<GuardRule> rules = {
       {"bhsq1_backward_plan_segfault",
@@ -110,6 +115,28 @@ const std::vector<GuardRule>& table() {
        "the backward runs with a second, zero query row",
        "cudnn-frontend #1072 (reported on 9.25.1.1 and 9.26.0.51, torch 2.15.0's "
        "pin); conservative: not measured by this project except on 9.19.0 (row above)"},
+      // ---- The ragged layout (openwam::sdpa_varlen's cuDNN engine),
+      // conservative: nobody has measured its values. A probe on torch 2.7
+      // gave wrong dQ and hung at s_q == 1; on torch 2.11 / cuDNN 9.19 jagged
+      // nested tensors gave finite dQ, values not compared. ATen's
+      // _cudnn_attention_backward (attention_backward.cu) takes the longest
+      // sequences from query.size(2) and key.size(2), which for the ragged
+      // [total, heads, head_dim] layout are head_dim, not max_q/max_k. The
+      // sweep in tests/gpu/test_varlen_gpu.py records what a stack does.
+      {"ragged_unverified",
+       {0, kAfterNewest},
+       {},
+       &ragged_hits,
+       Fix::kAvoidCudnn,
+       "every version (not measured)",
+       "cuDNN's ragged layout gave wrong dQ and hung at s_q == 1 (torch 2.7 probe); "
+       "ATen's backward sizes its ragged graph by head_dim instead of the longest "
+       "sequence (read in its source); unverified on every stack",
+       "sdpa_varlen runs the call on FlashAttention-2 varlen (or its "
+       "block-diagonal fallback); OPENWAM_SDPA_VARLEN=cudnn overrides",
+       "this project's probes (torch 2.7; torch 2.11 / cuDNN 9.19 nested tensors); "
+       "related: TransformerEngine #3249 (a ragged backward read its stats as dense, "
+       "fixed in cuDNN 9.26)"},
   };
   return rules;
 }

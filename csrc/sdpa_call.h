@@ -48,6 +48,9 @@ struct CallShape {
   bool is_causal = false;
   bool has_mask = false;
   double dropout_p = 0.0;
+  // A call of openwam::sdpa_varlen on cuDNN's ragged layout (s_q, s_kv: the
+  // longest sequences); openwam::sdpa's calls are never ragged.
+  bool ragged = false;
 };
 
 // Precondition: query/key/value are 3-D or 4-D (the cuDNN path's inputs).

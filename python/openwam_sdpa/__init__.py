@@ -11,6 +11,7 @@ from .ops import (REPAIR_LSE_THRESHOLD, build_info, explain, guard_rules, key_ta
                   pad_keys, reload_settings, repaired_rows, sdpa, settings)
 from .patching import is_patched, patch, patched, unpatch
 from .transformers_integration import register_when_imported as _register_transformers
+from .varlen import explain_varlen, varlen_sdpa, varlen_settings
 
 __version__ = "0.2.0"
 
@@ -33,4 +34,7 @@ __all__ = [
     "patched",
     "is_patched",
     "adversarial",
+    "varlen_sdpa",
+    "explain_varlen",
+    "varlen_settings",
 ]

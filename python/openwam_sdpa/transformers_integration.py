@@ -4,14 +4,149 @@
 runs transformers' own "sdpa" attention and mask code with the op in place of
 F.scaled_dot_product_attention. Registered when transformers is imported
 (`import openwam_sdpa` does not import it: that would cost seconds).
+
+Packed batches (padding-free training) run on openwam_sdpa.varlen_sdpa
+instead, each sequence attending to itself only, without the dense
+block-diagonal mask "sdpa" would use:
+  - with the keyword arguments DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    gives (cu_seq_lens_q/k, max_length_q/k): no host sync;
+  - with position_ids that restart (DataCollatorWithFlattening's default):
+    the boundaries are read from them once per forward (one host sync).
+OPENWAM_SDPA_UNPAD=1 unpads a padded batch the same way (causal or
+bidirectional full-attention layers; sliding-window layers keep the padded
+path): the key padding is read from the mask once per forward (one host sync).
 """
 
 import importlib.util
+import os
+import weakref
 
 from ._import_hooks import after_import
 from .patching import patch
 
 NAME = "openwam_sdpa"
+
+# Keyword arguments whose semantics the varlen path does not implement: a call
+# with any of them set takes transformers' "sdpa" path as before.
+_UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias", "sliding_window")
+
+
+def unpad_enabled() -> bool:
+    """OPENWAM_SDPA_UNPAD=1: padded batches run padding-free (read per call:
+    a Python string lookup per layer, nothing on the device)."""
+    value = os.environ.get("OPENWAM_SDPA_UNPAD", "0")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"OPENWAM_SDPA_UNPAD must be unset, '0' or '1', got {value!r}")
+    return value == "1"
+
+
+class _PerForward:
+    """One result per tensor (the mask or the position_ids every layer of a
+    forward receives): computed at the first layer, reused by the others."""
+
+    def __init__(self):
+        self._key = None
+        self._value = None
+
+    def get(self, tensor, compute):
+        key = (weakref.ref(tensor), tensor._version)
+        if self._key is not None and self._key[0]() is tensor and self._key[1] == tensor._version:
+            return self._value
+        self._value = compute(tensor)
+        self._key = key
+        return self._value
+
+
+_from_position_ids = _PerForward()
+_from_mask = _PerForward()
+
+
+def _boundaries_from_position_ids(position_ids):
+    """(cu_seqlens int32, max_seqlen) of a [1, T] position_ids that restarts
+    at its first value, or None when it does not restart (one sequence)."""
+    import torch
+
+    pos = position_ids.reshape(-1)
+    starts = torch.nonzero(pos == pos[0], as_tuple=False).flatten()
+    if starts.numel() <= 1:
+        return None
+    cu = torch.cat([starts, starts.new_tensor([pos.numel()])]).to(torch.int32)
+    return cu, int(cu.diff().max().item())
+
+
+def _rows_from_mask(mask):
+    """(indices of the real tokens in [B * S], cu_seqlens, max_seqlen) of a
+    4-D [B, 1, Q, K] full-attention mask: a key is real where the last query
+    row sees it (causal and key padding: the last row sees every real key)."""
+    import torch
+
+    last = mask[:, 0, -1, :]
+    keep = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
+    lengths = keep.sum(-1)
+    indices = torch.nonzero(keep.reshape(-1), as_tuple=False).flatten()
+    cu = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+    return indices, cu, int(lengths.max().item())
+
+
+def _varlen(module, query, key, value, cu, max_len, kwargs):
+    """[B, H, S, E] (B * S packed rows, or rows of a packed [1, T] batch)
+    through varlen_sdpa; returns [rows, H, Ev]."""
+    from .varlen import varlen_sdpa
+
+    q = query.transpose(1, 2).reshape(-1, query.shape[1], query.shape[3])
+    k = key.transpose(1, 2).reshape(-1, key.shape[1], key.shape[3])
+    v = value.transpose(1, 2).reshape(-1, value.shape[1], value.shape[3])
+    is_causal = kwargs.get("is_causal")
+    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    return q, k, v, dict(cu=cu, max_len=max_len, is_causal=bool(is_causal),
+                         scale=kwargs.get("scaling"), dropout_p=kwargs.get("dropout", 0.0),
+                         enable_gqa=query.shape[1] != key.shape[1], fn=varlen_sdpa)
+
+
+def _run(q, k, v, a):
+    return a["fn"](q, k, v, a["cu"], a["cu"], a["max_len"], a["max_len"],
+                   is_causal=a["is_causal"], scale=a["scale"], dropout_p=a["dropout_p"],
+                   enable_gqa=a["enable_gqa"])
+
+
+def packed_attention(module, query, key, value, attention_mask, **kwargs):
+    """The varlen path for this call, or None when it does not apply.
+    Returns (attn_output [B, S, H, Ev], None) as transformers' attention
+    functions do."""
+    if any(kwargs.get(name) is not None for name in _UNSUPPORTED):
+        return None
+    if getattr(module, "sliding_window", None) is not None:
+        return None
+    batch, _, q_len, _ = query.shape
+    # Self-attention over the same tokens: queries and keys share boundaries
+    # (one cu_seqlens tensor, so FlashAttention-2 may serve causal calls).
+    if q_len != key.shape[2]:
+        return None
+    cu = kwargs.get("cu_seq_lens_q")
+    max_len = kwargs.get("max_length_q")
+    if batch == 1 and cu is not None and max_len is not None:
+        import torch
+
+        cu = cu.to(device=query.device, dtype=torch.int32)
+        max_len = int(max_len)
+    elif batch == 1 and kwargs.get("position_ids") is not None:
+        found = _from_position_ids.get(kwargs["position_ids"], _boundaries_from_position_ids)
+        if found is None:
+            return None
+        cu, max_len = found
+    elif batch > 1 and attention_mask is not None and attention_mask.dim() == 4 \
+            and unpad_enabled():
+        indices, cu, max_len = _from_mask.get(attention_mask, _rows_from_mask)
+        q, k, v, a = _varlen(module, query, key, value, cu, max_len, kwargs)
+        out = _run(q.index_select(0, indices), k.index_select(0, indices),
+                   v.index_select(0, indices), a)
+        full = out.new_zeros((batch * q_len,) + tuple(out.shape[1:])).index_copy(0, indices, out)
+        return full.view(batch, q_len, *out.shape[1:]), None
+    else:
+        return None
+    q, k, v, a = _varlen(module, query, key, value, cu, max_len, kwargs)
+    out = _run(q, k, v, a)
+    return out.view(batch, q_len, *out.shape[1:]), None
 
 
 def register() -> bool:
@@ -26,6 +161,9 @@ def register() -> bool:
         return False
 
     def openwam_attention_forward(module, query, key, value, attention_mask, **kwargs):
+        packed = packed_attention(module, query, key, value, attention_mask, **kwargs)
+        if packed is not None:
+            return packed
         # transformers' "sdpa" attention, which calls
         # F.scaled_dot_product_attention, with the op patched in for the call.
         with patch():

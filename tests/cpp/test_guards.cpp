@@ -86,7 +86,8 @@ TEST_CASE("guard_rules: the rows, in order", "[guards]") {
   // The avoid rule comes first: check_guards stops at it.
   CHECK(names == std::vector<std::string>{"bhsq1_backward_plan_segfault",
                                           "key_tail_nan_dq_9.19", "key_tail_nan_dq",
-                                          "sq1_nan_dk_dv_9.19", "sq1_nan_dk_dv"});
+                                          "sq1_nan_dk_dv_9.19", "sq1_nan_dk_dv",
+                                          "ragged_unverified"});
   // warn_once has a flag for every row only up to kMaxGuardRules.
   CHECK(openwam::guard_rules().size() <= openwam::kMaxGuardRules);
 }
@@ -483,4 +484,22 @@ TEST_CASE("warn_once: one warning per rule per process", "[guards]") {
                                         Catch::Matchers::Contains(rules[i].source) &&
                                         Catch::Matchers::Contains(rules[i].action));
   }
+}
+
+TEST_CASE("rule ragged_unverified: ragged calls only, every version, nothing measured",
+          "[guards]") {
+  const GuardRule& r = rule("ragged_unverified");
+  CHECK(r.fix == Fix::kAvoidCudnn);
+  CHECK(r.measured.empty());
+  for (long version : {k9_7_1, k9_19_0, k9_26_0}) {
+    for (int64_t s_q : {1, 64}) {
+      CallShape dense = shape(1, 1, s_q, 192, 128);
+      CHECK_FALSE(fires(r, dense, version));
+      CallShape ragged = dense;
+      ragged.ragged = true;
+      CHECK(fires(r, ragged, version));
+    }
+  }
+  // check_guards (openwam::sdpa's dense calls) never meets a ragged row.
+  CHECK(name_of(openwam::check_guards(shape(4, 8, 64, 256, 128), k9_19_0).avoid) == "<none>");
 }

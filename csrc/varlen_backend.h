@@ -1,0 +1,56 @@
+// Which engine runs an sdpa_varlen call: one function, called by the op and
+// by explain_varlen(), from the setting OPENWAM_SDPA_VARLEN, the inputs and
+// the stack. It reads no tensor values and compares no symbolic size except
+// max_seqlen_q with 1 (a guard row), so torch.compile records the engine it
+// picked and does not recompile per batch.
+#pragma once
+
+#include "guards.h"
+#include "varlen.h"
+
+namespace openwam {
+
+// OPENWAM_SDPA_VARLEN: auto (default) = FlashAttention-2 varlen where it can
+// serve, cuDNN's ragged layout only where no guard row keeps it off (none
+// today); flash = never cuDNN; cudnn = cuDNN's ragged layout wherever it can
+// take the inputs, overriding the guard rows nobody measured on the running
+// cuDNN (for measuring them); block_diagonal = openwam::sdpa over the packed
+// batch with a block-diagonal mask, on every device (what transformers'
+// "sdpa" does with packed batches; for comparing, and for testing the
+// fallback on the CPU). Whatever neither fused engine takes runs on the
+// block-diagonal fallback (CUDA) or the reference (CPU).
+enum class VarlenPreference { kAuto, kFlash, kCudnn, kBlockDiagonal };
+
+const char* to_string(VarlenPreference p);
+
+// Cached like settings.h's: parsed once, re-read by reload_varlen_settings().
+VarlenPreference varlen_preference();
+VarlenPreference reload_varlen_preference();
+
+// What the decision reads beyond the call, passed in so that a test can pose
+// any stack.
+struct VarlenStack {
+  bool cuda = false;                  // query on a CUDA device
+  bool flash_available = false;       // ATen's flash kernels run here (sm80+, built)
+  long cudnn_version = 0;             // runtime cuDNN; 0: none
+  const char* cudnn_unavailable = nullptr;  // why cuDNN cannot run here
+};
+
+struct VarlenDecision {
+  VarlenBackend backend = VarlenBackend::kReference;
+  const GuardRule* rule = nullptr;  // the guard row that kept cuDNN off, or overridden
+  bool rule_overridden = false;     // OPENWAM_SDPA_VARLEN=cudnn ran it anyway
+  const char* reason = "";
+};
+
+// nullptr when FlashAttention-2 varlen computes exactly this call; else why not.
+const char* flash_varlen_rejects(const VarlenCall& call);
+// nullptr when cuDNN's ragged layout can take this call; else why not.
+const char* cudnn_ragged_rejects(const VarlenCall& call);
+
+VarlenDecision decide_varlen(const VarlenCall& call, VarlenPreference preference,
+                             const VarlenStack& stack);
+// This process's stack.
+VarlenDecision decide_varlen(const VarlenCall& call);
+
+}  // namespace openwam

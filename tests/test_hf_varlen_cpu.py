@@ -1,0 +1,140 @@
+"""Padding-free training through the "openwam_sdpa" transformers backend on
+the CPU: a tiny Llama / Qwen2 built from a config (nothing downloaded),
+trained a few steps on a packed batch (DataCollatorWithFlattening: with its
+flash-attention keyword arguments, and with position_ids alone), gives the
+losses of the same model trained on the padded batch; its attention runs
+through openwam::sdpa_varlen, not the dense block-diagonal mask. And
+OPENWAM_SDPA_UNPAD=1 runs a padded batch padding-free with the same losses.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip(
+    "transformers", reason="transformers is not installed: the integration has nothing to plug into")
+
+from transformers import AutoModelForCausalLM, DataCollatorWithFlattening  # noqa: E402
+from transformers import LlamaConfig, Qwen2Config  # noqa: E402
+
+import openwam_sdpa  # noqa: E402,F401
+
+LAYERS, STEPS = 2, 3
+LENGTHS = (9, 1, 17, 5, 12)
+
+
+def tiny_model(arch, attn="openwam_sdpa"):
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  use_cache=False)
+    config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch](**common)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+
+
+def sequences():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(96, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def padded_batch(side="right"):
+    seqs = sequences()
+    S = max(LENGTHS)
+    ids = torch.zeros(len(seqs), S, dtype=torch.long)
+    mask = torch.zeros(len(seqs), S, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        sl = slice(0, len(s)) if side == "right" else slice(S - len(s), S)
+        ids[i, sl] = torch.tensor(s)
+        mask[i, sl] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def packed_batch(flash_kwargs):
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)
+    return collator([{"input_ids": s} for s in sequences()])
+
+
+def token_sum_loss(model, batch):
+    """Sum of the next-token losses over every real token: the same number
+    for the padded and the packed layout (their mean would differ only by
+    the count of tokens, which is the same too; summing makes it exact)."""
+    out = model(**{k: v for k, v in batch.items() if k != "labels"})
+    logits = out.logits[:, :-1].float()
+    labels = batch["labels"][:, 1:]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             labels.reshape(-1), ignore_index=-100,
+                                             reduction="sum")
+
+
+def train(model, batch, steps=STEPS):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = token_sum_loss(model, batch)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    counts = {key: sum(e.count for e in prof.key_averages() if e.key == key)
+              for key in ("openwam::sdpa_varlen", "openwam::sdpa")}
+    return losses, counts
+
+
+@pytest.mark.parametrize("flash_kwargs", [True, False], ids=["cu_seq_lens", "position_ids"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_packed_training_matches_padded(arch, flash_kwargs):
+    batch = packed_batch(flash_kwargs)
+    assert batch["input_ids"].shape == (1, sum(LENGTHS))
+    # The collator marks every sequence's first label -100; the padded batch
+    # does the same through its shift, so both count the same tokens.
+    packed_losses, counts = train(tiny_model(arch), batch)
+    padded_losses, padded_counts = train(tiny_model(arch), padded_batch())
+    assert counts["openwam::sdpa_varlen"] == LAYERS * STEPS, counts
+    assert counts["openwam::sdpa"] == 0, counts
+    assert padded_counts["openwam::sdpa_varlen"] == 0, padded_counts
+    assert all(torch.isfinite(torch.tensor(packed_losses)))
+    torch.testing.assert_close(torch.tensor(packed_losses), torch.tensor(padded_losses),
+                               rtol=2e-5, atol=1e-4)
+
+
+def test_packed_matches_hf_sdpa_block_diagonal_mask():
+    """The same packed batch through transformers' own "sdpa" (its dense
+    block-diagonal mask from position_ids): the same logits."""
+    batch = packed_batch(False)
+    ours = tiny_model("llama")(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    ref = tiny_model("llama", "sdpa")(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_unpad_setting_matches_padded(monkeypatch, side):
+    batch = padded_batch(side)
+    ref_losses, ref_counts = train(tiny_model("llama"), batch)
+    monkeypatch.setenv("OPENWAM_SDPA_UNPAD", "1")
+    losses, counts = train(tiny_model("llama"), batch)
+    assert ref_counts["openwam::sdpa_varlen"] == 0
+    assert counts["openwam::sdpa_varlen"] == LAYERS * STEPS, counts
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-5,
+                               atol=1e-4)
+
+
+def test_unpad_setting_rejects_other_values(monkeypatch):
+    from openwam_sdpa.transformers_integration import unpad_enabled
+
+    monkeypatch.setenv("OPENWAM_SDPA_UNPAD", "yes")
+    with pytest.raises(ValueError, match="OPENWAM_SDPA_UNPAD must be unset, '0' or '1'"):
+        unpad_enabled()
+
+
+def test_one_unpacked_sequence_takes_the_usual_path():
+    """position_ids 0..T-1 (no restart): transformers' "sdpa" path with the op."""
+    ids = torch.randint(96, (1, 16), generator=torch.Generator().manual_seed(0))
+    model = tiny_model("llama")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(input_ids=ids, position_ids=torch.arange(16)[None])
+    keys = {e.key: e.count for e in prof.key_averages()}
+    assert keys.get("openwam::sdpa_varlen", 0) == 0
+    assert keys.get("openwam::sdpa", 0) == LAYERS

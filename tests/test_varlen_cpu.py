@@ -1,0 +1,375 @@
+"""openwam_sdpa.varlen_sdpa on the CPU: packed sequences against F.sdpa
+applied to each sequence alone.
+
+The CPU kernels of the leaf ops openwam::_sdpa_varlen / _sdpa_varlen_backward
+are an exact per-sequence reference (csrc/varlen_kernels.cpp), so that what
+surrounds the CUDA engines is tested here: the argument checks, the causal
+alignment, grouped-query attention, the op's autograd node, its Meta kernel
+under torch.compile with dynamic shapes, opcheck, autocast, and the
+block-diagonal fallback (OPENWAM_SDPA_VARLEN=block_diagonal). The GPU suite
+(tests/gpu/test_varlen_gpu.py) checks the CUDA engines the same way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import openwam_sdpa
+from openwam_sdpa.varlen import cu_seqlens_from_lengths, pad, unpad
+from support import assert_close
+
+LEAF = torch.ops.openwam._sdpa_varlen.default
+OP = torch.ops.openwam.sdpa_varlen.default
+
+
+def packed(lens_q, lens_k=None, *, H=3, Hkv=None, E=16, Ev=None, dtype=torch.float64, seed=0,
+           requires_grad=True):
+    """q [sum(lens_q), H, E], k/v [sum(lens_k), Hkv, E|Ev], cu_seqlens, max lengths."""
+    lens_k = lens_q if lens_k is None else lens_k
+    Hkv = H if Hkv is None else Hkv
+    Ev = E if Ev is None else Ev
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(lens_q), H, E, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(sum(lens_k), Hkv, E, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(sum(lens_k), Hkv, Ev, generator=g, dtype=torch.float64).to(dtype)
+    for t in (q, k, v):
+        t.requires_grad_(requires_grad)
+    cu_q, max_q = cu_seqlens_from_lengths(lens_q)
+    cu_k, max_k = cu_seqlens_from_lengths(lens_k)
+    return q, k, v, cu_q, cu_k, max_q, max_k
+
+
+def per_sequence(q, k, v, cu_q, cu_k, go, *, is_causal=False, scale=None, enable_gqa=False):
+    """F.sdpa on each sequence alone, in float64: output and gradients."""
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    outs = []
+    for b in range(cu_q.numel() - 1):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        qs, ks, vs = (t.transpose(0, 1) for t in (qd[q0:q1], kd[k0:k1], vd[k0:k1]))
+        if k1 == k0:
+            # F.sdpa over no keys: its math gives zeros (an empty softmax).
+            out = qs.new_zeros(qs.shape[:-1] + (vs.shape[-1],)) + 0 * qs.sum()
+        else:
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=is_causal, scale=scale,
+                                                 enable_gqa=enable_gqa)
+        outs.append(out.transpose(0, 1))
+    out = torch.cat(outs) if outs else qd.new_zeros(0, q.shape[1], v.shape[2]) + 0 * qd.sum()
+    dq, dk, dv = torch.autograd.grad(out, (qd, kd, vd), go.double(), allow_unused=True)
+    zeros = [torch.zeros_like(t) for t in (qd, kd, vd)]
+    return out, [g if g is not None else z for g, z in zip((dq, dk, dv), zeros)]
+
+
+def ours(q, k, v, cu_q, cu_k, max_q, max_k, go, **kwargs):
+    out = openwam_sdpa.varlen_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), go)
+    return out, [dq, dk, dv]
+
+
+CASES = {
+    # name: (lens_q, lens_k or None, kwargs of packed(), kwargs of the call)
+    "one_sequence": ([37], None, {}, {}),
+    "mixed_with_length_1": ([5, 1, 17, 3], None, {}, {}),
+    "causal_square": ([5, 1, 17, 3], None, {}, dict(is_causal=True)),
+    "causal_s_q_lt_s_k": ([2, 1, 5], [7, 4, 5], {}, dict(is_causal=True)),
+    "causal_s_q_gt_s_k": ([9, 4, 3], [3, 1, 3], {}, dict(is_causal=True)),
+    "cross_attention": ([4, 6, 1], [9, 2, 5], {}, {}),
+    "empty_sequences": ([4, 0, 6, 0], [4, 0, 6, 0], {}, dict(is_causal=True)),
+    "queries_without_keys": ([3, 2], [5, 0], {}, {}),
+    "gqa": ([6, 1, 9], None, dict(H=4, Hkv=2), dict(enable_gqa=True, is_causal=True)),
+    "mqa": ([6, 2], None, dict(H=4, Hkv=1), dict(enable_gqa=True)),
+    "scale": ([7, 3], None, {}, dict(scale=0.37)),
+    "value_head_dim": ([7, 3], None, dict(Ev=24), {}),
+    "no_sequences": ([], None, {}, {}),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_equals_sdpa_per_sequence(case, dtype):
+    lens_q, lens_k, make, call = case
+    q, k, v, cu_q, cu_k, max_q, max_k = packed(lens_q, lens_k, dtype=dtype, **make)
+    go = torch.randn(q.shape[0], q.shape[1], v.shape[2], generator=torch.Generator().manual_seed(5),
+                     dtype=torch.float64).to(dtype)
+    out, grads = ours(q, k, v, cu_q, cu_k, max_q, max_k, go, **call)
+    ref_out, ref_grads = per_sequence(q, k, v, cu_q, cu_k, go, **call)
+    assert out.dtype == dtype and out.shape == ref_out.shape
+    # The reference computes in fp32 (float64 for float64): an fp32 result is
+    # exact to fp32 rounding, a bf16 one to one bf16 rounding of each output.
+    atol = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 3e-2}[dtype]
+    assert_close(out.double(), ref_out, atol=atol, rtol=atol, what="out")
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert g.dtype == dtype and g.shape == r.shape, name
+        assert_close(g.double(), r, atol=atol * 4, rtol=atol, what=name)
+
+
+def test_gradcheck_float64():
+    q, k, v, cu_q, cu_k, max_q, max_k = packed([3, 1, 2], [2, 3, 2], H=2, Hkv=1, E=4)
+
+    def fn(q, k, v):
+        return openwam_sdpa.varlen_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True,
+                                        enable_gqa=True)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_only_needed_gradients_and_no_grad():
+    q, k, v, cu_q, cu_k, max_q, max_k = packed([4, 2])
+    k.requires_grad_(False)
+    v.requires_grad_(False)
+    out = openwam_sdpa.varlen_sdpa(q, k, v, cu_q, cu_k, max_q, max_k)
+    (dq,) = torch.autograd.grad(out.sum(), (q,))
+    assert dq.shape == q.shape and torch.isfinite(dq).all()
+    with torch.no_grad():
+        out2 = openwam_sdpa.varlen_sdpa(q, k, v, cu_q, cu_k, max_q, max_k)
+    assert out2.grad_fn is None
+    assert torch.equal(out2, out.detach())
+
+
+def test_block_diagonal_fallback_equals_reference(monkeypatch):
+    """OPENWAM_SDPA_VARLEN=block_diagonal: openwam::sdpa over the packed batch
+    with a block-diagonal mask (the CUDA fallback) gives the same result."""
+    case = CASES["causal_s_q_gt_s_k"]
+    q, k, v, cu_q, cu_k, max_q, max_k = packed(case[0], case[1], H=4, Hkv=2)
+    go = torch.randn(q.shape[0], 4, 16, dtype=torch.float64)
+    ref_out, ref_grads = ours(q, k, v, cu_q, cu_k, max_q, max_k, go, is_causal=True,
+                              enable_gqa=True)
+    monkeypatch.setenv("OPENWAM_SDPA_VARLEN", "block_diagonal")
+    openwam_sdpa.varlen_settings(reload=True)
+    try:
+        assert openwam_sdpa.explain_varlen(q, k, v, cu_q, cu_k, max_q, max_k,
+                                           enable_gqa=True)["backend"] == \
+            "block_diagonal"
+        out, grads = ours(q, k, v, cu_q, cu_k, max_q, max_k, go, is_causal=True, enable_gqa=True)
+        # Keyless query rows: zero output and zero gradient, no NaN.
+        q2, k2, v2, cu_q2, cu_k2, mq2, mk2 = packed([3, 2], [5, 0])
+        out2, grads2 = ours(q2, k2, v2, cu_q2, cu_k2, mq2, mk2, torch.ones(5, 3, 16,
+                                                                        dtype=torch.float64))
+    finally:
+        monkeypatch.delenv("OPENWAM_SDPA_VARLEN")
+        openwam_sdpa.varlen_settings(reload=True)
+    assert_close(out, ref_out, atol=1e-10, what="out")
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r, atol=1e-10, what="grad")
+    assert torch.equal(out2[3:], torch.zeros_like(out2[3:]))
+    assert all(torch.isfinite(g).all() for g in grads2)
+    assert torch.equal(grads2[0][3:], torch.zeros_like(grads2[0][3:]))
+
+
+def test_explain_and_settings(monkeypatch):
+    q, k, v, cu_q, cu_k, max_q, max_k = packed([4, 2])
+    e = openwam_sdpa.explain_varlen(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True)
+    assert e["backend"] == "reference" and e["settings"] == {"varlen": "auto"}
+    assert e["flash_rejects"] == "dtype is not float16/bfloat16"
+    assert openwam_sdpa.varlen_settings() == {"varlen": "auto"}
+    monkeypatch.setenv("OPENWAM_SDPA_VARLEN", "flash")
+    assert openwam_sdpa.varlen_settings(reload=True) == {"varlen": "flash"}
+    monkeypatch.setenv("OPENWAM_SDPA_VARLEN", "fast")
+    with pytest.raises(RuntimeError, match="OPENWAM_SDPA_VARLEN must be 'auto', 'flash'"):
+        openwam_sdpa.varlen_settings(reload=True)
+    monkeypatch.delenv("OPENWAM_SDPA_VARLEN")
+    assert openwam_sdpa.varlen_settings(reload=True) == {"varlen": "auto"}
+
+
+def test_explain_names_why_flash_would_not_serve():
+    q, k, v, cu_q, _, max_q, max_k = packed([4, 2], dtype=torch.bfloat16)
+    cu_k = cu_q.clone()
+    e = openwam_sdpa.explain_varlen(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True)
+    assert "not one tensor" in e["flash_rejects"]
+    assert openwam_sdpa.explain_varlen(q, k, v, cu_q, cu_q, max_q, max_k,
+                                       is_causal=True)["flash_rejects"] == ""
+
+
+def test_guard_rows_for_the_ragged_layout():
+    rows = {r["name"]: r for r in openwam_sdpa.guard_rules()}
+    row = rows["ragged_unverified"]
+    assert row["measured_first_version"] >= row["measured_end_version"], "unmeasured"
+    assert "OPENWAM_SDPA_VARLEN=cudnn overrides" in row["action"]
+    # A dense call never hits a ragged row: the key-tail verdicts are unchanged.
+    assert openwam_sdpa.key_tail_defect(91900, 192, 128) is True
+    assert openwam_sdpa.key_tail_defect(91900, 256, 128) is False
+
+
+ERRORS = {
+    # name: (mutation of the packed inputs, message)
+    "cu_int64": (lambda a: a.update(cu_q=a["cu_q"].long()), "cu_seqlens_q must be int32"),
+    "cu_2d": (lambda a: a.update(cu_k=a["cu_k"].view(1, -1)), "cu_seqlens_k must be 1-D"),
+    "cu_lengths_differ": (lambda a: a.update(cu_k=torch.tensor([0, 6], dtype=torch.int32)),
+                          "must have the same length"),
+    "last_not_total": (lambda a: a.update(cu_q=torch.tensor([0, 4, 5], dtype=torch.int32)),
+                       r"cu_seqlens_q\[-1\] must be the total length \(6\), got 5"),
+    "first_not_zero": (lambda a: a.update(cu_k=torch.tensor([1, 4, 6], dtype=torch.int32)),
+                       r"cu_seqlens_k\[0\] must be 0"),
+    "decreasing": (lambda a: a.update(cu_q=torch.tensor([0, 5, 4, 6], dtype=torch.int32),
+                                      cu_k=torch.tensor([0, 2, 4, 6], dtype=torch.int32),
+                                      max_q=10),
+                   "must not decrease"),
+    "max_too_small": (lambda a: a.update(max_q=3), "more than the max_seqlen given"),
+    "query_2d": (lambda a: a.update(q=a["q"][:, 0]), "query must be 3-D"),
+    "heads_without_gqa": (lambda a: a.update(k=a["k"][:, :1], v=a["v"][:, :1]),
+                          "pass enable_gqa=True"),
+    "head_dim": (lambda a: a.update(k=a["k"][..., :8]),
+                 r"key must have the same head_dim as query \(16\), got 8"),
+    "dtype": (lambda a: a.update(k=a["k"].float()), "must have the same dtype"),
+    "kv_total": (lambda a: a.update(v=a["v"][:5]), "key and value must have the same total"),
+    "dropout_on_cpu": (lambda a: a.update(dropout_p=0.1), "dropout is not supported on the CPU"),
+    "negative_max": (lambda a: a.update(max_k=-1), "must not be negative"),
+}
+
+
+@pytest.mark.parametrize("mutate,message", ERRORS.values(), ids=ERRORS.keys())
+def test_errors_name_the_argument(mutate, message):
+    q, k, v, cu_q, cu_k, max_q, max_k = packed([4, 2], requires_grad=False)
+    a = dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k, dropout_p=0.0)
+    mutate(a)
+    with pytest.raises(RuntimeError, match=message):
+        openwam_sdpa.varlen_sdpa(a["q"], a["k"], a["v"], a["cu_q"], a["cu_k"], a["max_q"],
+                                 a["max_k"], dropout_p=a["dropout_p"])
+
+
+def test_gqa_heads_must_divide():
+    q, k, v, cu_q, cu_k, max_q, max_k = packed([4, 2], H=3, Hkv=2, requires_grad=False)
+    with pytest.raises(RuntimeError, match="multiple of the key's, got 3 query heads and 2"):
+        openwam_sdpa.varlen_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, enable_gqa=True)
+
+
+def test_autocast_cpu_runs_in_bfloat16():
+    q, k, v, cu_q, cu_k, max_q, max_k = packed([5, 3], dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = openwam_sdpa.varlen_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and torch.isfinite(q.grad).all()
+
+
+def _compiled_counting(fn, dynamic):
+    """fn compiled with a backend that counts compilations and runs
+    aot_eager (the Meta kernels and the backward graph are exercised)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from functorch.compile import make_boxed_func
+
+    count = {"graphs": 0}
+
+    def compiler(gm, example_inputs):
+        count["graphs"] += 1
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=compiler, bw_compiler=lambda gm, ex: make_boxed_func(gm.forward))
+    return torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=True), count
+
+
+def test_compile_dynamic_no_recompile_across_batches():
+    torch._dynamo.reset()
+
+    def fn(q, k, v, cu_q, cu_k, max_q, max_k):
+        return openwam_sdpa.varlen_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True)
+
+    compiled, count = _compiled_counting(fn, dynamic=True)
+    for lens in ([5, 3, 9], [2, 7, 4, 6, 3], [11, 2]):
+        q, k, v, cu_q, cu_k, max_q, max_k = packed(lens, H=2, E=8)
+        go = torch.randn(q.shape, dtype=q.dtype)
+        out = compiled(q, k, v, cu_q, cu_q, max_q, max_k)
+        out.backward(go)
+        ref_out, ref_grads = per_sequence(q, k, v, cu_q, cu_q, go, is_causal=True)
+        assert_close(out, ref_out, atol=1e-10, what=f"out {lens}")
+        assert_close(q.grad, ref_grads[0], atol=1e-10, what=f"dq {lens}")
+    assert count["graphs"] == 1, f"{count['graphs']} forward graphs for three batches"
+    torch._dynamo.reset()
+
+
+def test_compile_keeps_the_leaf_ops():
+    from support import call_targets, traced_graphs
+
+    q, k, v, cu_q, cu_k, max_q, max_k = packed([5, 3], H=2, E=8)
+    graphs = traced_graphs(lambda q, k, v, cu_q, cu_k: openwam_sdpa.varlen_sdpa(
+        q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True), q, k, v, cu_q, cu_k)
+    assert "openwam._sdpa_varlen.default" in call_targets(graphs["forward"])
+    assert "openwam._sdpa_varlen_backward.default" in call_targets(graphs["backward"])
+
+
+def _opcheck_samples():
+    for lens_q, lens_k, make, call in (CASES["mixed_with_length_1"] + (),
+                                       CASES["gqa"], CASES["causal_s_q_gt_s_k"]):
+        q, k, v, cu_q, cu_k, max_q, max_k = packed(lens_q, lens_k, dtype=torch.float32, **make)
+        yield (q, k, v, cu_q, cu_k, max_q, max_k), call
+
+
+@pytest.mark.parametrize("sample", range(3))
+def test_opcheck(sample):
+    args, call = list(_opcheck_samples())[sample]
+    torch.library.opcheck(OP, args, call)
+    q, k, v, cu_q, cu_k, max_q, max_k = args
+    torch.library.opcheck(LEAF, (q, k, v, cu_q, cu_k, max_q, max_k, 0.0,
+                                 call.get("is_causal", False), None, 0))
+
+
+def test_unpad_and_pad_round_trip():
+    hidden = torch.randn(3, 5, 4)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    packed_rows, indices, cu, max_len = unpad(hidden, mask)
+    assert cu.tolist() == [0, 3, 6, 11] and max_len == 5 and cu.dtype == torch.int32
+    assert torch.equal(packed_rows[3:6], hidden[1, 2:])
+    back = pad(packed_rows, indices, 3, 5)
+    assert torch.equal(back, hidden * mask.unsqueeze(-1))
+
+
+def test_leaf_rejects_an_engine_the_device_lacks():
+    q, k, v, cu_q, cu_k, max_q, max_k = packed([4, 2], requires_grad=False)
+    with pytest.raises(RuntimeError, match="runs on CUDA only"):
+        LEAF(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False, None, 1)
+    with pytest.raises(RuntimeError, match="backend must name a leaf engine"):
+        LEAF(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False, None, 7)
+
+
+def test_matches_scaled_default_scale():
+    """scale=None is 1/sqrt(head_dim), as F.sdpa's."""
+    q, k, v, cu_q, cu_k, max_q, max_k = packed([6], requires_grad=False)
+    a = openwam_sdpa.varlen_sdpa(q, k, v, cu_q, cu_k, max_q, max_k)
+    b = openwam_sdpa.varlen_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, scale=1 / math.sqrt(16))
+    assert torch.equal(a, b)
+
+
+def test_sweep_builders_on_the_cpu():
+    """scripts/sweep_varlen_ragged.py's inputs, reference and padded-stock
+    mapping (what the GPU suite measures with): the adversarial rows have a
+    logsumexp near -115, and the reference, the padded stock run and the op
+    agree on ordinary float32 data."""
+    from support import load_script
+
+    sweep = load_script("sweep_varlen_ragged.py")
+    p = sweep.packed_adversarial([192, 5, 0, 64], [192, 5, 0, 64], H=2, D=64,
+                                 dtype=torch.float32, device="cpu")
+    assert p.cu_k is p.cu_q and p.low_rows == [191, 196, 260]
+    q, k = p.q.detach().double(), p.k.detach().double()
+    for row, (a, b) in zip(p.low_rows, [(0, 192), (192, 197), (197, 261)]):
+        lse = torch.logsumexp(torch.einsum("hd,khd->hk", q[row], k[a:b]) / 8, -1)
+        assert ((lse > -118) & (lse < -110)).all(), (row, lse)
+    ordinary = sweep.packed_adversarial([7, 1, 12], [9, 4, 3], H=4, Hkv=2, D=16, low="none",
+                                        dtype=torch.float32, device="cpu")
+    ref = sweep.reference(ordinary, True)
+    stock = sweep.padded_stock(ordinary, True)
+    ours = sweep._grads(openwam_sdpa.varlen_sdpa(
+        ordinary.q, ordinary.k, ordinary.v, ordinary.cu_q, ordinary.cu_k, ordinary.max_q,
+        ordinary.max_k, is_causal=True, enable_gqa=True), ordinary)
+    for n in sweep.Attn._fields:
+        assert sweep.max_err(getattr(stock, n), getattr(ref, n)) < 1e-4, n
+        assert sweep.max_err(getattr(ours, n), getattr(ref, n)) < 1e-4, n
+
+
+@pytest.mark.parametrize("lens_q,lens_k", [([], []), ([3, 2], [0, 0]), ([0, 0], [4, 1])])
+def test_block_diagonal_fallback_with_empty_inputs(monkeypatch, lens_q, lens_k):
+    """No query or no key at all: zero output and zero gradients, no error."""
+    q, k, v, cu_q, cu_k, max_q, max_k = packed(lens_q, lens_k)
+    monkeypatch.setenv("OPENWAM_SDPA_VARLEN", "block_diagonal")
+    openwam_sdpa.varlen_settings(reload=True)
+    try:
+        out = openwam_sdpa.varlen_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+    finally:
+        monkeypatch.delenv("OPENWAM_SDPA_VARLEN")
+        openwam_sdpa.varlen_settings(reload=True)
+    assert out.shape == (sum(lens_q), 3, 16) and not out.any()
+    assert all(g.shape == t.shape and not g.any() for g, t in zip(grads, (q, k, v)))
