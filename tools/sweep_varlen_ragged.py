@@ -10,7 +10,7 @@ the padded batch (efficient attention, and cuDNN with its NaN counted), and
 the time of one forward+backward. The guard row `ragged_unverified`
 (csrc/guards.cpp) is to be filled from it.
 
-    python scripts/sweep_varlen_ragged.py [--engines cudnn,flash] [--cells a,b] [--out DIR]
+    python tools/sweep_varlen_ragged.py [--engines cudnn,flash] [--cells a,b] [--out DIR]
 
 One JSON line per (cell, engine) on stdout; with --out, DIR/varlen_ragged_sweep.json.
 A cell that hangs is the caller's to time out (tests/gpu/test_varlen_gpu.py runs
