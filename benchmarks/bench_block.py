@@ -1,4 +1,4 @@
-"""Host overhead in a real block (issue 11): OpenWAM-shaped attention, stock F.sdpa vs openwam_sdpa.patch().
+"""Host overhead in a real block: OpenWAM-shaped attention, stock F.sdpa vs openwam_sdpa.patch().
 
 The block (written here after OpenWAM's call pattern, not copied): 2 layers, batch 4,
 24 heads x 128 (width 3072), bf16. Each layer runs

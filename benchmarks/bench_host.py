@@ -1,4 +1,4 @@
-"""Host time per attention call, layer by layer (issue 11): where openwam_sdpa's host time goes.
+"""Host time per attention call, layer by layer: where openwam_sdpa's host time goes.
 
 Call patterns, bf16, q/k/v views of [B,S,H,D] storage requiring grad:
   OpenWAM's three (B4 H24 D128): the joint 392x392 with a bool mask [B,1,392,392], and the

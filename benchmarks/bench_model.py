@@ -1,4 +1,4 @@
-"""Model-level benchmark (issue 13): full training steps of randomly initialised Hugging Face LMs.
+"""Model-level benchmark: full training steps of randomly initialised Hugging Face LMs.
 
 A step is forward, backward and an AdamW step of a Qwen2 causal LM built from a
 config (nothing downloaded), bf16 weights:
@@ -28,12 +28,11 @@ order of the four contenders rotating: ABCD, BCDA, ...):
   GPU    --gpu-rounds rounds, after the wall rounds so that no profiler runs among
          them: GPU busy time of one step (profiler) and host time of one step while
          a spin kernel holds the GPU.
-A ratio is the median over rounds of the per-round ratio to stock sdpa. Targets
-(issue 13): openwam_sdpa at most 1.02x stock's GPU time and 1.03x its wall time.
+A ratio is the median over rounds of the per-round ratio to stock sdpa. Targets: openwam_sdpa at most 1.02x stock's GPU time and 1.03x its wall time.
 
 Run (from the repository root, on a GPU). Duration of the default run, estimated from
-the step times of results/model_2026-11-30_h200.json (one step of each of the four
-contenders, summed over the ten configurations: 2.1 s): wall rounds 8 x (1 + 7) x 2.1 s
+the step times of an H200 run (one step of each of the four contenders, summed over
+the ten configurations: 2.1 s): wall rounds 8 x (1 + 7) x 2.1 s
 = 136 s, GPU rounds about 3 x 12 s = 36 s, first steps with compilation 27 s, start,
 model building and warm-up about 30 s: about 4 minutes (--wall-only: about 3.3).
     python benchmarks/bench_model.py --out $OUT/model
@@ -375,7 +374,7 @@ def markdown(result):
              "then reaches every weight, and the timing still counts). 1st step s: its wall time, "
              "compilation included.", "",
              config_table(result["configs"]), "",
-             f"- targets (issue 13): openwam_sdpa / sdpa GPU time at most 1.02: worst {f(t['openwam_sdpa gpu_ms'])}; "
+             f"- targets: openwam_sdpa / sdpa GPU time at most 1.02: worst {f(t['openwam_sdpa gpu_ms'])}; "
              f"wall time at most 1.03: worst {f(t['openwam_sdpa wall_ms'])}. A/A control, farthest from 1: GPU "
              f"{f(t[f'{BASE}-again gpu_ms'])}, wall {f(t[f'{BASE}-again wall_ms'])}", ""]
     return "\n".join(parts)

@@ -10,14 +10,14 @@ methods  Per shape x layout x method (sdpa_cases.SHAPES, LAYOUTS, METHOD_NAMES):
          cuDNN's. Every figure also as a ratio to stock cuDNN on the same shape and
          layout. Then the paired timing: openwam_sdpa as shipped (no OPENWAM_SDPA_*
          variable), stock cuDNN and stock cuDNN again in rotating rounds, with the
-         host time of every forward and backward call (issue 11's host column).
-shares   The dQ repair's cost as the defect fires more often (issue 12): adversarial
+         host time of every forward and backward call.
+shares   The dQ repair's cost as the defect fires more often: adversarial
          inputs with no row, one row per (b,h), 10% and every row affected, on the
          affected key lengths 64, 704 and 4032 at head_dim 128 and 64; paired fwd+bwd
          device time of stock cuDNN, openwam_sdpa at default settings and with
          OPENWAM_SDPA_PAD=always; the non-finite gradients of each.
 memory   Peak memory with large materialised masks ([B,H,S,S] bool and additive, a
-         broadcast view), openwam_sdpa against F.sdpa (issue 10).
+         broadcast view), openwam_sdpa against F.sdpa.
 
 Per-method failures are recorded, not raised. Asserts nothing about timing.
 
@@ -26,7 +26,7 @@ Run (from the repository root, on a GPU):
     python benchmarks/bench_sdpa.py --quick --out $OUT/bench      # about 1 minute (estimated)
     python benchmarks/bench_sdpa.py --sections shares --share-shapes 704 --head-dims 128
     python benchmarks/bench_sdpa.py --selftest --out /tmp/bench    # CPU, tiny shapes, checks the outputs
-Writes bench.json (everything), bench.md (tables for BENCHMARKS.md), bench.png (methods:
+Writes bench.json (everything), bench.md (the tables), bench.png (methods:
 fwd+bwd ratio to stock cuDNN) and bench_shares.png under --out.
 """
 

@@ -205,7 +205,7 @@ def paired_table(cases):
 
 
 def host_table(cases):
-    """Host time per call (issue 11): stock's median [p10–p90], openwam's, and the per-round
+    """Host time per call: stock's median [p10–p90], openwam's, and the per-round
     differences from stock of openwam and of stock again (the control)."""
     head = ["shape", "mask", "layout"]
     for phase in ("fwd", "bwd"):
@@ -276,7 +276,7 @@ ALWAYS_TARGET = 1.10
 
 def shares_summary(entries):
     """Per share: the worst median ratio over the shapes of default / cuDNN, default / always
-    and the A/A control, and issue 12's bound."""
+    and the A/A control, and the bound."""
     lines = []
     for share in dict.fromkeys(k for e in entries for k in e["cells"]):
         cells = [(e, e["cells"][share]) for e in entries if "ratios" in e["cells"].get(share, {})]

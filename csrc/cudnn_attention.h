@@ -1,4 +1,4 @@
-// What this project knows about ATen's cuDNN attention (torch 2.11-2.14): the
+// What this project knows about ATen's cuDNN attention (torch 2.11-2.15): the
 // inputs its direct ops can take, the mask it needs, and thin wrappers around
 // the forward and backward ops.
 #pragma once

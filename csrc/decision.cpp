@@ -23,24 +23,6 @@ const char* backend_name(int64_t choice) {
 
 constexpr int64_t kCudnnChoice = static_cast<int64_t>(at::SDPBackend::cudnn_attention);
 
-// The checks F.sdpa makes before its selector runs (validate_sdpa_input in
-// ATen's attention.cpp): a call failing them must reach PyTorch untouched, to
-// fail with PyTorch's own error.
-bool passes_pytorch_validation(const SdpaCall& c) {
-  const at::Tensor& q = c.query;
-  if (q.scalar_type() != c.key.scalar_type() || q.scalar_type() != c.value.scalar_type()) {
-    return false;
-  }
-  if (q.device() != c.key.device() || q.device() != c.value.device()) return false;
-  if (q.dim() < 2 || c.key.dim() < 2 || c.value.dim() < 2) return false;
-  if (q.is_nested() || c.key.is_nested() || c.value.is_nested()) return false;
-  if (c.attn_mask.has_value()) {
-    const at::ScalarType m = c.attn_mask->scalar_type();
-    if (m != at::kBool && m != at::kFloat && m != q.scalar_type()) return false;
-  }
-  return true;
-}
-
 bool any_input_empty(const SdpaCall& c) {
   // sym_numel: numel() throws on the symbolic sizes of a dynamic-shape trace.
   return c.query.sym_numel() == 0 || c.key.sym_numel() == 0 || c.value.sym_numel() == 0;
@@ -72,6 +54,14 @@ Plan plan_for(const GuardVerdict& verdict, const CallShape& shape, PadMode pad) 
   TORCH_INTERNAL_ASSERT(false, "unknown PadMode");
 }
 
+// Inputs batched by torch.func.vmap (functorch's BatchedTensorImpl).
+bool batched(const SdpaCall& c) {
+  const c10::DispatchKeySet keys({c10::DispatchKey::FuncTorchBatched,
+                                  c10::DispatchKey::BatchedNestedTensor});
+  const auto is = [&keys](const at::Tensor& t) { return t.key_set().has_any(keys); };
+  return is(c.query) || is(c.key) || is(c.value) || (c.attn_mask && is(*c.attn_mask));
+}
+
 }  // namespace
 
 const char* to_string(Route route) {
@@ -85,9 +75,20 @@ const char* to_string(Route route) {
 }
 
 Decision decide(const SdpaCall& call, const Settings& settings, const Stack& stack) {
+  if (batched(call)) {
+    // The cuDNN path's ops have no batching rule (vmap would loop per sample,
+    // and warn); F.sdpa batches itself. cuDNN off where another backend may
+    // serve: a gradient taken through the vmap would otherwise meet stock
+    // cuDNN's backward, and requires_grad does not show through the batching.
+    const bool cudnn_off = stack.cudnn_unavailable == nullptr && stack.cudnn_sdp_enabled &&
+                           stack.other_sdp_enabled;
+    return cudnn_off ? routed(Route::kPyTorchWithoutCudnn,
+                              "inputs batched by torch.func.vmap; cuDNN switched off")
+                     : routed(Route::kPyTorch, "inputs batched by torch.func.vmap");
+  }
   if (any_input_empty(call)) {
     // torch 2.11's fused CPU kernel dies of SIGFPE on zero heads (measured on
-    // the H200 machine, 2026-11-30; pytorch #174939): empty CPU calls go to
+    // the H200 machine; pytorch #174939): empty CPU calls go to
     // the math backend where it is allowed. Everything else empty is
     // PyTorch's to answer (its fused CUDA kernels refuse empty sequences).
     const bool math_serves = call.query.device().is_cpu() && stack.math_sdp_enabled &&
@@ -171,9 +172,14 @@ Decision decide(const SdpaCall& call, const Settings& settings) {
     // by torch.compile's tracers: the choice is made here, not recorded in a
     // graph (ATen's own scaled_dot_product_attention calls the selector's
     // stub directly for the same reason; the stub is not exported to
-    // extensions).
-    const c10::impl::ExcludeDispatchKeyGuard untraced(
-        c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+    // extensions). With functorch's keys excluded too, it reads a
+    // torch.func wrapper's metadata as the stub does: the op itself has no
+    // batching rule and raises under vmap(grad(f)).
+    const c10::impl::ExcludeDispatchKeyGuard untraced(c10::DispatchKeySet(
+        {c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+         c10::DispatchKey::FuncTorchDynamicLayerFrontMode,
+         c10::DispatchKey::FuncTorchDynamicLayerBackMode, c10::DispatchKey::FuncTorchGradWrapper,
+         c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchVmapMode}));
     return at::_fused_sdp_choice(call.query, call.key, call.value, call.attn_mask,
                                  call.dropout_p, call.is_causal, call.scale,
                                  call.enable_gqa);

@@ -54,14 +54,15 @@ const std::vector<GuardRule>& table() {
        {},
        &single_row_single_head_hits,
        Fix::kAvoidCudnn,
-       ">= 9.25.1 (up to 9.26.x)",
+       "9.25.1-9.26.x (torch 2.15 pins 9.26.0)",
        "segfault building the backward plan when batch, heads and s_q are all 1",
        "never sent to cuDNN: the call runs on PyTorch's next backend",
-       "cudnn-frontend #1071 (reported on 9.25.1 and 9.26)"},
-      // Measured by this project on an H200 (torch 2.11.0+cu130, cuDNN 9.19.0,
-      // 2026-11-30): s_kv = 256 + r for r = 1..127 and s_kv in 1..127,
+       "cudnn-frontend #1071 (reported on 9.26.0.51, torch 2.15.0's pin); "
+       "conservative: not measured by this project"},
+      // Measured by this project on an H200 (torch 2.11.0+cu130, cuDNN 9.19.0):
+      // s_kv = 256 + r for r = 1..127 and s_kv in 1..127,
       // 1025..1151, head_dim 64 and 128: only r == 64 gave NaN dQ; is_causal
-      // never did (BENCHMARKS.md, "The key-tail sweep").
+      // never did (docs/performance.md).
       {"key_tail_nan_dq_9.19",
        {k9_19_0, k9_19_0 + 1},
        {k9_19_0, k9_19_0 + 1},
@@ -73,7 +74,8 @@ const std::vector<GuardRule>& table() {
        "cudnn-frontend #160, PR #628; pytorch #196678; this project's H200 sweep"},
       // The same defect elsewhere before its fix. torch 2.7.1 with cuDNN 9.7.1
       // failed for every s_kv % 128 != 0; versions and head_dims nobody
-      // measured are treated the same way.
+      // measured are treated the same way. The fix in 9.26 is upstream's word:
+      // no GPU run here has used 9.26.
       {"key_tail_nan_dq",
        {0, k9_26_0},
        {},
@@ -82,10 +84,10 @@ const std::vector<GuardRule>& table() {
        "< 9.26.0 (other than 9.19.0 at head_dim 64/128)",
        "backward NaN in dQ rows with logsumexp < -88.7 when s_kv % 128 != 0",
        "repair the dQ rows with a very negative logsumexp (dropout: pad K/V)",
-       "cudnn-frontend #160, PR #628 (fixed in cuDNN 9.26); pytorch #196678"},
-      // Measured by this project on 9.19.0 (H200, 2026-11-30; the sweep of
-      // scripts/sweep_single_query_row.py, benchmarks/results/
-      // sweep_sq1_2026-11-30_h200.md): of 798 cells, stock cuDNN wrote NaN
+       "cudnn-frontend #160, PR #628 (fixed in cuDNN 9.26, torch 2.15's: reported "
+       "upstream, not measured by this project); pytorch #196678"},
+      // Measured by this project on 9.19.0 (H200; the sweep of
+      // tools/sweep_single_query_row.py): of 798 cells, stock cuDNN wrote NaN
       // into dK (and dV) in 157, every one at batch 1 with one query row and a
       // logsumexp at or below -89 (clean at -88 and above, at batch 2 and 3 and
       // at s_q 2), with no mask, bool and additive masks, grouped-query
@@ -100,23 +102,24 @@ const std::vector<GuardRule>& table() {
        "about -89 (not with is_causal)",
        "the backward runs with a second, zero query row",
        "this project's H200 sweep; cudnn-frontend #1072 (9.25.1, 9.26)"},
-      // Reported on 9.25.1 and 9.26; the versions between are assumed
-      // affected, is_causal included (not measured there).
+      // Reported on 9.25.1.1 and 9.26.0.51 (torch 2.15.0's pin); the versions
+      // between are assumed affected, is_causal included (not measured there).
       {"sq1_nan_dk_dv",
        {0, kAfterNewest},
        {},
        &single_query_row_hits,
        Fix::kPadQuery,
-       "<= 9.26.x (other than 9.19.0)",
+       "<= 9.26.x (other than 9.19.0; torch 2.15 pins 9.26.0)",
        "backward NaN in all of dK and dV for batch 1, s_q == 1 and a very "
        "negative logsumexp",
        "the backward runs with a second, zero query row",
-       "cudnn-frontend #1072 (9.25.1, 9.26); measured on 9.19.0 (row above)"},
+       "cudnn-frontend #1072 (reported on 9.25.1.1 and 9.26.0.51, torch 2.15.0's "
+       "pin); conservative: not measured by this project except on 9.19.0 (row above)"},
       // ---- The ragged layout (openwam::sdpa_varlen's cuDNN engine),
       // conservative: nobody has measured its values. A probe on torch 2.7
       // gave wrong dQ and hung at s_q == 1; on torch 2.11 / cuDNN 9.19 jagged
       // nested tensors gave finite dQ, values not compared. ATen's
-      // _cudnn_attention_backward (attention_backward.cu, recent main) takes the longest
+      // _cudnn_attention_backward (attention_backward.cu) takes the longest
       // sequences from query.size(2) and key.size(2), which for the ragged
       // [total, heads, head_dim] layout are head_dim, not max_q/max_k. The
       // sweep in tests/gpu/test_varlen_gpu.py records what a stack does.

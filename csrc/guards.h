@@ -19,9 +19,9 @@ constexpr long cudnn_version(int major, int minor, int patch) {
   return major * 10000L + minor * 100L + patch;
 }
 
-// The newest cuDNN the table knows (torch 2.15 ships 9.26). A newer runtime
-// gets no rule: the op runs PyTorch's stock path, and the doctor reports the
-// stack as unverified.
+// The newest cuDNN the table knows: 9.26, which torch 2.15.0's CUDA wheels pin
+// (nvidia-cudnn-cu13==9.26.0.51). A newer runtime gets no rule: the op runs
+// PyTorch's stock path, and the doctor reports the stack as unverified.
 constexpr long kNewestKnownCudnn = cudnn_version(9, 26, 99);
 
 // [first, end) of runtime cuDNN versions; {0, 0} is empty.

@@ -52,7 +52,7 @@ void repair_dq_cuda(at::Tensor& grad_query, const at::Tensor& grad_out,
 // allocator: a first repair during torch.compile's CUDA-graph warm-up
 // (mode="reduce-overhead") would take the block from the graph's private
 // pool, which then refuses to record ("tensor(s) in the cudagraph pool not
-// tracked as outputs"; found on the H200, 2026-11-30).
+// tracked as outputs"; found on the H200).
 struct Counters {
   std::mutex mutex;
   std::vector<int64_t*> by_device;

@@ -1,12 +1,45 @@
 #include "sdpa_call.h"
 
 #include <ATen/core/grad_mode.h>
+#include <c10/core/SymBool.h>
 
 namespace openwam {
 
 bool SdpaCall::differentiated() const {
   return at::GradMode::is_enabled() &&
          (query.requires_grad() || key.requires_grad() || value.requires_grad());
+}
+
+bool passes_pytorch_validation(const SdpaCall& c) {
+  const at::Tensor& q = c.query;
+  if (q.scalar_type() != c.key.scalar_type() || q.scalar_type() != c.value.scalar_type()) {
+    return false;
+  }
+  if (q.device() != c.key.device() || q.device() != c.value.device()) return false;
+  if (q.dim() < 2 || c.key.dim() < 2 || c.value.dim() < 2) return false;
+  if (q.is_nested() || c.key.is_nested() || c.value.is_nested()) return false;
+  if (c.attn_mask.has_value()) {
+    const at::ScalarType m = c.attn_mask->scalar_type();
+    if (m != at::kBool && m != at::kFloat && m != q.scalar_type()) return false;
+  }
+  return true;
+}
+
+void check_call(const SdpaCall& c) {
+  // Key and value of different lengths: PyTorch's math backend rejects them
+  // (its bmm), but its fused CPU kernel (torch 2.13) takes the key length for
+  // value's and reads past value's end, returning garbage.
+  if (c.key.dim() < 2 || c.value.dim() < 2) return;  // PyTorch's rank error
+  const c10::SymInt s_kv = c.key.sym_size(-2);
+  const c10::SymInt s_v = c.value.sym_size(-2);
+  const auto k = s_kv.maybe_as_int();
+  const auto v = s_v.maybe_as_int();
+  if (k.has_value() && v.has_value() && *k == *v) return;  // concrete and equal
+  if (!passes_pytorch_validation(c)) return;  // PyTorch's own error comes first
+  // Symbolic under torch.compile: a runtime assert, not a guard.
+  TORCH_SYM_CHECK(s_kv.sym_eq(s_v),
+                  "openwam::sdpa: value must have the same sequence length as key (",
+                  s_kv, "), got ", s_v);
 }
 
 CallShape shape_of(const SdpaCall& call) {

@@ -23,6 +23,16 @@ struct SdpaCall {
   bool differentiated() const;
 };
 
+// The checks F.sdpa makes before its selector runs (validate_sdpa_input in
+// ATen's attention.cpp): dtypes, devices, ranks, nesting, the mask's dtype. A
+// call failing them must reach PyTorch untouched, to fail with its own error.
+bool passes_pytorch_validation(const SdpaCall& call);
+
+// The op's checks beyond F.sdpa's, for calls on which stock reads out of
+// bounds instead of raising; calls PyTorch rejects first are left to it.
+// Raises c10::Error (RuntimeError) naming the op and the sizes.
+void check_call(const SdpaCall& call);
+
 // The sizes of a call the cuDNN path can take (3-D counts as one head).
 // Symbolic while torch.compile traces with dynamic shapes: a comparison then
 // installs a guard on exactly what it compares (s_kv % 128 == 64, say), so a

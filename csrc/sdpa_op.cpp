@@ -1,9 +1,9 @@
-// openwam::sdpa's entry point: the decision (decision.h), then the guarded
-// cuDNN path or PyTorch's own. Registered as CompositeImplicitAutograd: the
-// kernel runs above autograd, so it sees requires_grad and grad mode, and
-// under torch.compile it is traced through (not into a graph node): what
-// lands in the graph is the path it chose, openwam::_cudnn_sdpa or PyTorch's
-// attention ops, never the choice.
+// openwam::sdpa's entry point: the op's own argument checks (sdpa_call.h),
+// the decision (decision.h), then the guarded cuDNN path or PyTorch's own.
+// Registered as CompositeImplicitAutograd: the kernel runs above autograd, so
+// it sees requires_grad and grad mode, and under torch.compile it is traced
+// through (not into a graph node): what lands in the graph is the path it
+// chose, openwam::_cudnn_sdpa or PyTorch's attention ops, never the choice.
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
@@ -23,6 +23,7 @@ at::Tensor sdpa(const at::Tensor& query, const at::Tensor& key, const at::Tensor
                 const std::optional<at::Tensor>& attn_mask, double dropout_p,
                 bool is_causal, std::optional<double> scale, bool enable_gqa) {
   const SdpaCall call{query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa};
+  check_call(call);
   const Decision decision = decide(call, current_settings());
   if (decision.rule != nullptr) {
     warn_once(*decision.rule);
@@ -54,6 +55,12 @@ at::Tensor sdpa_autocast(const at::Tensor& query, const at::Tensor& key,
 }  // namespace openwam
 
 TORCH_LIBRARY_IMPL(openwam, CompositeImplicitAutograd, m) {
+  m.impl("sdpa", &openwam::sdpa);
+}
+// Under torch.func.vmap the composite kernel runs too (as functorch does for
+// ATen's composite ops), and decide() hands the batched call to F.sdpa's own
+// batching; without this the vmap fallback loops per sample, and warns.
+TORCH_LIBRARY_IMPL(openwam, FuncTorchBatchedDecomposition, m) {
   m.impl("sdpa", &openwam::sdpa);
 }
 TORCH_LIBRARY_IMPL(openwam, AutocastCUDA, m) {

@@ -7,17 +7,38 @@ meet cuDNN's backward NaN: the padding's query rows see no key, stock cuDNN
 gives them a logsumexp near -65504, and their dQ rows turn NaN at the key
 lengths the defect hits (s % 128 == 64 on cuDNN 9.19, e.g. 704).
 
-    python examples/train_hf.py                  # CUDA if available, bf16 autocast
+Run it from the repository root; transformers comes with the `hf` extra:
+
+    pip install --no-build-isolation ".[hf]"
+    python examples/train_hf.py                  # CUDA GPU: bf16 autocast, 704 tokens
     python examples/train_hf.py --attn sdpa      # stock SDPA, for comparison
     python examples/train_hf.py --device cpu --steps 3 --seq 40 --hidden 64 --layers 1
+
+The last line is the verdict: whether every step's loss and gradients were
+finite, and which attention ran (openwam_sdpa.explain() of the first call).
+Stock SDPA goes NaN only on a CUDA GPU whose cuDNN has the defect
+(`python -m openwam_sdpa doctor` says whether yours does); on the CPU the
+example trains and says so.
 """
 
 import argparse
+import contextlib
+import math
+import sys
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
-import openwam_sdpa  # noqa: F401  registers attn_implementation="openwam_sdpa"
+import openwam_sdpa  # registers attn_implementation="openwam_sdpa" once transformers is imported
+
+try:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+except ImportError:
+    sys.exit('examples/train_hf.py needs transformers: pip install --no-build-isolation ".[hf]" '
+             "(or pip install transformers)")
+
+STOCK_SDPA = F.scaled_dot_product_attention  # PyTorch's own, bound before any patch()
 
 
 def parse_args():
@@ -45,6 +66,43 @@ def left_padded_batch(batch, seq, vocab, device):
     return ids.to(device), attention_mask.to(device), labels.to(device)
 
 
+class FirstAttentionCall(TorchFunctionMode):
+    """Sees every torch call inside it and keeps openwam_sdpa.explain() of the
+    first attention call: stock F.sdpa, or the op "openwam_sdpa" routes to."""
+
+    def __init__(self):
+        super().__init__()
+        self.plan, self.stock = None, None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.plan is None and (func is STOCK_SDPA or func is torch.ops.openwam.sdpa.default):
+            self.plan, self.stock = openwam_sdpa.explain(*args, **kwargs), func is STOCK_SDPA
+        return func(*args, **kwargs)
+
+
+def attention_text(first_call, repaired):
+    """Which attention ran, from explain() of its first call."""
+    p = first_call.plan
+    if p is None:
+        return "no scaled_dot_product_attention call seen (eager attention)"
+    if first_call.stock:
+        asked = not p["pytorch_choice"].startswith("not asked")
+        text = ("stock F.scaled_dot_product_attention ("
+                + (f"PyTorch picks {p['pytorch_choice']})" if asked else f"{p['reason']})"))
+        return text + (f"; the guard table lists this call: {p['rule']}" if p["rule"] else "")
+    text = f"openwam_sdpa, route {p['route']} ({p['reason']}), plan {p['plan']}"
+    text += f", rule {p['rule']}" if p["rule"] else ""
+    return text + f"; {repaired} dQ rows repaired"
+
+
+def verdict(bad_steps, steps, first_call, repaired):
+    finite = (f"finite: loss and gradients finite in all {steps} steps" if not bad_steps else
+              f"NOT finite: loss or gradients non-finite from step {bad_steps[0]} "
+              f"({len(bad_steps)} of {steps} steps)")
+    return f"verdict: {finite}; attention: {attention_text(first_call, repaired)}"
+
+
 def main():
     args = parse_args()
     device = torch.device(args.device)
@@ -61,14 +119,24 @@ def main():
 
     print(f"{args.attn} on {device}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
           f"parameters, batch {args.batch} x {args.seq} tokens, left-padded")
+    openwam_sdpa.repaired_rows(reset=True)
+    first_call, bad_steps = FirstAttentionCall(), []
     for step in range(args.steps):
-        with autocast:
+        # Step 0's forward runs inside FirstAttentionCall, which names the attention.
+        with autocast, (first_call if step == 0 else contextlib.nullcontext()):
             loss = model(input_ids=ids, attention_mask=attention_mask, labels=labels).loss
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # nan if any is
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         print(f"step {step}: loss {loss.item():.4f}  grad norm {grad_norm.item():.3f}")
+        if not (math.isfinite(loss.item()) and math.isfinite(grad_norm.item())):
+            bad_steps.append(step)
+    if device.type != "cuda":
+        print("note: no NaN to show here: the NaN demonstration needs a CUDA GPU with cuDNN "
+              "attention (the defect is in cuDNN's attention backward); this run checks that "
+              "training works on the CPU")
+    print(verdict(bad_steps, args.steps, first_call, openwam_sdpa.repaired_rows()))
 
 
 if __name__ == "__main__":

@@ -1,24 +1,39 @@
 """Route a plain PyTorch model's attention through openwam_sdpa with patch().
 
 The model below calls F.scaled_dot_product_attention, as most hand-written
-transformers do, with a causal mask over a left-padded batch. patch() sends
-every such call through openwam_sdpa:
+transformers do, with a causal mask over a left-padded batch: the padding's
+query rows see no key, which is what trips cuDNN's backward NaN on a GPU.
+patch() sends every such call through openwam_sdpa:
 
     openwam_sdpa.patch()             # process-wide, from here on
     with openwam_sdpa.patch(): ...   # for the block only, restored on exit
 
-    python examples/train_patch.py                 # CUDA if available, bf16 autocast
+Run it from the repository root (after `pip install --no-build-isolation .`):
+
+    python examples/train_patch.py                 # CUDA GPU: bf16 autocast, 704 tokens
     python examples/train_patch.py --route global  # the process-wide form
+    python examples/train_patch.py --route stock   # stock F.sdpa, for comparison
     python examples/train_patch.py --device cpu --steps 3 --seq 40 --dim 64 --layers 1
+
+The last line is the verdict: whether every step's loss and gradients were
+finite, and which attention ran (openwam_sdpa.explain() of the first call).
+The NaN itself needs a CUDA GPU with cuDNN attention and an affected cuDNN
+(`python -m openwam_sdpa doctor` says whether yours is); on the CPU the
+example trains and says so.
 """
 
 import argparse
+import contextlib
+import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 import openwam_sdpa
+
+STOCK_SDPA = F.scaled_dot_product_attention  # PyTorch's own, bound before any patch()
 
 
 class Block(nn.Module):
@@ -67,12 +82,32 @@ def left_padded_batch(batch, seq, vocab, device):
     return ids.to(device), mask.to(device), labels.to(device)
 
 
+class FirstAttentionCall(TorchFunctionMode):
+    """Sees every torch call inside it and keeps openwam_sdpa.explain() of the
+    first attention call: stock F.sdpa, or the op that patch() routes to."""
+
+    def __init__(self):
+        super().__init__()
+        self.plan, self.stock = None, None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.plan is None and (func is STOCK_SDPA or func is torch.ops.openwam.sdpa.default):
+            self.plan, self.stock = openwam_sdpa.explain(*args, **kwargs), func is STOCK_SDPA
+        return func(*args, **kwargs)
+
+
 def train(model, batch, steps, device):
+    """Train; returns (steps whose loss or gradient norm was not finite,
+    the first attention call's FirstAttentionCall)."""
     ids, mask, labels = batch
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    first_call, bad_steps = FirstAttentionCall(), []
     for step in range(steps):
         # bf16 autocast on the GPU, as mixed-precision training runs; fp32 on the CPU.
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        # Step 0's forward runs inside FirstAttentionCall, which names the attention.
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"), \
+                (first_call if step == 0 else contextlib.nullcontext()):
             logits = model(ids, mask)
         # Next-token loss; padding positions carry label -100.
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
@@ -82,12 +117,39 @@ def train(model, batch, steps, device):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         print(f"step {step}: loss {loss.item():.4f}  grad norm {grad_norm.item():.3f}")
+        if not (math.isfinite(loss.item()) and math.isfinite(grad_norm.item())):
+            bad_steps.append(step)
+    return bad_steps, first_call
+
+
+def attention_text(first_call, repaired):
+    """Which attention ran, from explain() of its first call."""
+    p = first_call.plan
+    if p is None:
+        return "no scaled_dot_product_attention call seen"
+    if first_call.stock:
+        asked = not p["pytorch_choice"].startswith("not asked")
+        text = ("stock F.scaled_dot_product_attention ("
+                + (f"PyTorch picks {p['pytorch_choice']})" if asked else f"{p['reason']})"))
+        return text + (f"; the guard table lists this call: {p['rule']}" if p["rule"] else "")
+    text = f"openwam_sdpa, route {p['route']} ({p['reason']}), plan {p['plan']}"
+    text += f", rule {p['rule']}" if p["rule"] else ""
+    return text + f"; {repaired} dQ rows repaired"
+
+
+def verdict(bad_steps, steps, first_call, repaired):
+    finite = (f"finite: loss and gradients finite in all {steps} steps" if not bad_steps else
+              f"NOT finite: loss or gradients non-finite from step {bad_steps[0]} "
+              f"({len(bad_steps)} of {steps} steps)")
+    return f"verdict: {finite}; attention: {attention_text(first_call, repaired)}"
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--route", default="with", choices=["with", "global"])
+    p.add_argument("--route", default="with", choices=["with", "global", "stock"],
+                   help="with: `with openwam_sdpa.patch():`; global: openwam_sdpa.patch(); "
+                        "stock: PyTorch's own F.sdpa")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=704, help="tokens per row, padding included")
@@ -102,12 +164,20 @@ def main():
     model = TinyLM(args.vocab, args.dim, args.heads, args.layers).to(device)
     batch = left_padded_batch(args.batch, args.seq, args.vocab, device)
     print(f"patch() ({args.route}) on {device}: batch {args.batch} x {args.seq} tokens, left-padded")
+    openwam_sdpa.repaired_rows(reset=True)
     if args.route == "global":
         openwam_sdpa.patch()
-        train(model, batch, args.steps, device)
-    else:
+        bad_steps, first_call = train(model, batch, args.steps, device)
+    elif args.route == "with":
         with openwam_sdpa.patch():
-            train(model, batch, args.steps, device)
+            bad_steps, first_call = train(model, batch, args.steps, device)
+    else:
+        bad_steps, first_call = train(model, batch, args.steps, device)
+    if device.type != "cuda":
+        print("note: no NaN to show here: the NaN demonstration needs a CUDA GPU with cuDNN "
+              "attention (the defect is in cuDNN's attention backward); this run checks that "
+              "training works on the CPU")
+    print(verdict(bad_steps, args.steps, first_call, openwam_sdpa.repaired_rows()))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@
   gets zero output and contributes zero gradient (what F.sdpa does since 2.5
   and what openwam::sdpa promises);
 * the error rule: at most twice stock PyTorch's own error, plus one floor;
-* the repository's scripts (scripts/*.py) as modules, for their CPU tests.
+* the repository's tools and benchmarks (tools/*.py, benchmarks/*.py) as
+  modules, for their CPU tests.
 
 Random data is drawn in float64 on the CPU from a seeded generator and then
 moved, so every device gets the same numbers. Nothing here touches a GPU
@@ -361,16 +362,16 @@ def assert_close_to_reference(name, x, ref, dtype, ulps=4.0):
 
 
 # --------------------------------------------------------------------------
-# Scripts
+# Tools and benchmarks
 # --------------------------------------------------------------------------
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
-SCRIPTS = os.path.join(ROOT, "scripts")
+TOOLS = os.path.join(ROOT, "tools")
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
 
 
-def script_path(name: str) -> str:
-    return os.path.join(SCRIPTS, name)
+def tool_path(name: str) -> str:
+    return os.path.join(TOOLS, name)
 
 
 def _load_from(folder: str, name: str) -> ModuleType:
@@ -388,9 +389,9 @@ def _load_from(folder: str, name: str) -> ModuleType:
     return module
 
 
-def load_script(name: str) -> ModuleType:
-    """scripts/<name> imported as a module (see _load_from)."""
-    return _load_from(SCRIPTS, name)
+def load_tool(name: str) -> ModuleType:
+    """tools/<name> imported as a module (see _load_from)."""
+    return _load_from(TOOLS, name)
 
 
 def load_benchmark(name: str) -> ModuleType:

@@ -48,6 +48,31 @@ def test_guard_rules(ow):
     assert key_tail and all("cudnn-frontend #160" in r["source"] for r in key_tail)
 
 
+def test_guard_rules_unmeasured_rows_say_so(ow):
+    # What the doctor reads: a row with no measured part must not pass for a
+    # measurement of this project.
+    for rule in ow.guard_rules():
+        if rule["measured_first_version"] >= rule["measured_end_version"]:
+            assert "not measured by this project" in rule["source"], rule
+
+
+# torch 2.15.0's CUDA wheels pin nvidia-cudnn-cu13==9.26.0.51.
+TORCH_2_15_CUDNN = 92600
+
+
+def test_guard_rules_name_torch_2_15s_cudnn(ow):
+    assert TORCH_2_15_CUDNN <= ow.build_info()["newest_known_cudnn"]
+    applying = [r for r in ow.guard_rules()
+                if r["first_version"] <= TORCH_2_15_CUDNN < r["end_version"]]
+    assert [r["name"] for r in applying] == ["bhsq1_backward_plan_segfault", "sq1_nan_dk_dv"]
+    for rule in applying:
+        assert not rule["measured_first_version"] <= TORCH_2_15_CUDNN < rule["measured_end_version"]
+        assert "9.26" in rule["versions"] and "torch 2.15" in rule["versions"], rule
+        assert "9.26.0.51" in rule["source"] and "conservative" in rule["source"], rule
+    # No key-tail row applies there: the defect is fixed upstream in 9.26.
+    assert not any(ow.key_tail_defect(TORCH_2_15_CUDNN, 256 + r, 128) for r in REMAINDERS)
+
+
 def defective_remainders(ow, version, head_dim, is_causal=False, base=256):
     return [r for r in REMAINDERS
             if ow.key_tail_defect(version, base + r, head_dim, is_causal)]

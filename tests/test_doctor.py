@@ -47,10 +47,12 @@ def test_doctor_json():
     assert "left_padding_nonfinite" not in facts
 
 
-def test_module_without_a_command_prints_usage():
-    r = run_module()
-    assert r.returncode == 64
-    assert "usage: python -m openwam_sdpa doctor" in r.stderr
+def test_exit_codes_are_distinct_and_leave_argparse_its_2():
+    """2 is argparse's usage error: a bad command line never reads as a verdict."""
+    codes = (doctor.EXIT_OK, doctor.EXIT_AFFECTED, doctor.EXIT_BROKEN)
+    assert len(set(codes)) == 3 and 2 not in codes
+    r = run_module("doctor", "--no-such-option")
+    assert r.returncode == 2 and "usage: python -m openwam_sdpa doctor" in r.stderr
 
 
 # ------------------------------------------------------------------ the two cases
@@ -242,6 +244,17 @@ def test_guard_rows_are_read_by_their_version_ranges():
     cov = doctor.coverage(92000, rows)
     assert cov["status"] == "measured" and "measured rule key_tail_nan_dq_9.20" in cov["summary"]
     assert doctor.coverage(92400, rows)["summary"].endswith("other rules: later_defect (measured)")
+
+
+def test_rows_of_one_defect_on_the_real_table():
+    """On 9.19.0 the measured rows stand in front of the general rows of
+    their defect; elsewhere the general rows apply."""
+    rules = doctor.ops.guard_rules()
+    assert [r["name"] for r in doctor.rules_for(91900, rules)] == [
+        "key_tail_nan_dq_9.19", "sq1_nan_dk_dv_9.19"]
+    assert [r["name"] for r in doctor.rules_for(92000, rules)] == ["key_tail_nan_dq", "sq1_nan_dk_dv"]
+    assert doctor.defect_of("key_tail_nan_dq_9.19") == doctor.defect_of("key_tail_nan_dq")
+    assert doctor.defect_of("bhsq1_backward_plan_segfault") == "bhsq1_backward_plan_segfault"
 
 
 def test_newest_known_cudnn_comes_from_the_guard_table():

@@ -1,4 +1,4 @@
-"""scripts/test_deps.sh, the one list of Python packages that both test
+"""tools/test_deps.sh, the one list of Python packages that both test
 scripts (test.sh, test_torch_version.sh) install: what it reports missing
 for a given python."""
 
@@ -12,7 +12,7 @@ def missing_for(tmp_path, fake_python_body):
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\n" + fake_python_body)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    run = subprocess.run(["bash", "-c", f'source scripts/test_deps.sh && test_deps_missing "{fake}"'],
+    run = subprocess.run(["bash", "-c", f'source tools/test_deps.sh && test_deps_missing "{fake}"'],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     return run.stdout.split()

@@ -3,7 +3,7 @@
 The import check itself (python/openwam_sdpa/_extension.py) is exercised with
 a stand-in for the compiled module, so every release can be tried on any torch.
 The schema test runs against the torch actually installed: run under each
-release with scripts/test_torch_version.sh, it is what "checked for 2.11-2.14"
+ release with tools/test_torch_version.sh, it is what "checked for 2.11-2.15"
 rests on.
 """
 
@@ -17,10 +17,10 @@ import torch
 
 from openwam_sdpa import _extension
 
-RANGE = "2.11-2.14"
+RANGE = "2.11-2.15"
 
-# The ATen ops the C++ core calls directly (csrc), as torch 2.13.0 and 2.14.1
-# declare them. A release that changes one of them needs the C++ re-checked.
+# The ATen ops the C++ core calls directly (csrc), as torch 2.13.0, 2.14.1 and
+# 2.15.0 declare them. A release that changes one of them needs the C++ re-checked.
 ATEN_SCHEMAS = {
     "aten::_scaled_dot_product_cudnn_attention":
         "aten::_scaled_dot_product_cudnn_attention(Tensor query, Tensor key, Tensor value, "
@@ -71,7 +71,7 @@ def test_running_torch_is_supported_and_imports_silently():
 
 
 @pytest.mark.parametrize("version", ["2.11.0", "2.12.1", "2.13.0+cpu", "2.14.1+cu130",
-                                     "2.14.0a0+git1234abc"])
+                                     "2.14.0a0+git1234abc", "2.15.0+cu132", "2.15.1"])
 def test_supported_releases_import_silently(built_for, version):
     built_for(version.split("+")[0], version)
     with warnings.catch_warnings():
@@ -90,8 +90,8 @@ def test_older_release_is_refused_naming_the_range(built_for, version):
     assert "cuDNN attention ops" in msg  # says why
 
 
-@pytest.mark.parametrize("version", ["2.15.0", "2.15.0.dev20270101+cu130", "2.16.1", "3.0.0"])
-def test_newer_release_warns_naming_the_range_and_the_fix(built_for, version):
+@pytest.mark.parametrize("version", ["2.16.0", "2.16.0.dev20270101+cu132", "2.17.1", "3.0.0"])
+def test_newer_release_warns_naming_the_range_and_the_guard_table(built_for, version):
     built_for(version.split("+")[0], version)
     with pytest.warns(UserWarning) as record:
         _extension._check_torch_version()
@@ -99,32 +99,34 @@ def test_newer_release_warns_naming_the_range_and_the_fix(built_for, version):
     msg = str(record[0].message)
     assert f"torch {version.split('+')[0]} is newer" in msg
     assert f"supports torch {RANGE}" in msg
-    assert "cuDNN 9.26" in msg and "cudnn-frontend #160" in msg
+    assert "names cuDNN up to 9.26 (torch 2.15)" in msg
+    assert "stock path" in msg  # what the op does past the table
 
 
 def test_mismatch_with_an_unsupported_torch_names_the_range(built_for):
-    built_for("2.14.1", "2.15.0+cu130")
+    built_for("2.15.0", "2.16.0+cu132")
     with pytest.raises(ImportError) as info:
         _extension._check_torch_version()
     msg = str(info.value)
-    assert "built for torch 2.14.1, but torch 2.15.0 is installed" in msg
+    assert "built for torch 2.15.0, but torch 2.16.0 is installed" in msg
     assert f"supports torch {RANGE}" in msg
     assert "pip install --no-build-isolation" in msg
 
 
 def test_mismatch_within_the_range_only_asks_for_a_rebuild(built_for):
-    built_for("2.13.0", "2.14.1+cu130")
+    built_for("2.14.1", "2.15.0+cu132")
     with pytest.raises(ImportError) as info:
         _extension._check_torch_version()
     msg = str(info.value)
-    assert "built for torch 2.13.0, but torch 2.14.1 is installed" in msg
+    assert "built for torch 2.14.1, but torch 2.15.0 is installed" in msg
     assert "pip install --no-build-isolation" in msg
     assert "supports torch" not in msg
 
 
 def test_support_message_names_every_tested_build():
-    # Every release of the range was built (2.12.0 on 2026-12-01, commit d7da35e).
-    for version in ("2.11.0+cu130", "2.12.0+cu130", "2.13.0+cpu", "2.14.1+cu130"):
+    # Every release of the range was built and its CPU suite run at least once.
+    for version in ("2.11.0+cu130", "2.12.0+cu130", "2.13.0+cpu", "2.14.1+cu130",
+                    "2.15.0+cu132"):
         assert version in _extension._SUPPORT
     assert "not built" not in _extension._SUPPORT
 
@@ -133,3 +135,10 @@ def test_support_message_names_every_tested_build():
 def test_aten_schema_is_the_one_the_core_calls(op):
     schemas = [str(s) for s in torch._C._jit_get_schemas_for_operator(op)]
     assert schemas == [ATEN_SCHEMAS[op]], f"torch {torch.__version__} changed {op}"
+
+
+def test_newest_known_cudnn_is_the_guard_tables(ow):
+    # The warning names the guard table's newest cuDNN (major.minor); the two
+    # are written in different languages and must move together.
+    newest = ow.build_info()["newest_known_cudnn"]
+    assert _extension.NEWEST_KNOWN_CUDNN == f"{newest // 10000}.{newest // 100 % 100}"

@@ -333,13 +333,13 @@ def test_matches_scaled_default_scale():
 
 
 def test_sweep_builders_on_the_cpu():
-    """scripts/sweep_varlen_ragged.py's inputs, reference and padded-stock
+    """tools/sweep_varlen_ragged.py's inputs, reference and padded-stock
     mapping (what the GPU suite measures with): the adversarial rows have a
     logsumexp near -115, and the reference, the padded stock run and the op
     agree on ordinary float32 data."""
-    from support import load_script
+    from support import load_tool
 
-    sweep = load_script("sweep_varlen_ragged.py")
+    sweep = load_tool("sweep_varlen_ragged.py")
     p = sweep.packed_adversarial([192, 5, 0, 64], [192, 5, 0, 64], H=2, D=64,
                                  dtype=torch.float32, device="cpu")
     assert p.cu_k is p.cu_q and p.low_rows == [191, 196, 260]

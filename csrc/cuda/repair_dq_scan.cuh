@@ -220,7 +220,7 @@ constexpr int kProbeHeads = 64;
 // logsumexp, kBatch rounds' loads in flight per thread, then one barrier:
 // with no affected row that is a block's whole work, where walking head
 // after head (two barriers a round) took 8-13 us for the kernel (Nsight
-// Compute, H200, 2026-12-01, run J5). With it (its first form, run K4, the
+// Compute, H200). With it (its first form, the
 // repair alone against 77367cf on one machine), no affected row: 7.0 ->
 // 5.6 us at 16x24x704x704, 6.1 -> 4.2 at 32x24x360x64, 12.6 -> 7.4 at
 // 4x24x4096x4032, 10.5 -> 6.6 at 64x32x32x200; a head with rows pays its

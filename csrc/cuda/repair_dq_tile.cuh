@@ -15,9 +15,9 @@
 // 16 rows of Q, dO and bias (tile_rows_loaded). Built for sm_90a, wide tiles
 // at head_dim <= 128 run on wgmma instead, the 4 warps as one warpgroup
 // (kWgmma, warpgroup_scores_to_ds / warpgroup_ds_k): every row 4096x4032
-// went from 331 to 407-430 TFLOP/s (H200, 2026-12-01, runs G1 and G5),
+// went from 331 to 407-430 TFLOP/s (H200),
 // then to 512 with dS K in flight across the key loop's barrier and the
-// softmax's tests taken once per call (run H2, before the barrier that now
+// softmax's tests taken once per call, before the barrier that now
 // guards the wgmma refill).
 //
 // Work: the grid is persistent (see tile_grid_size). The (head, tile) items,
@@ -251,7 +251,7 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
   // threads on each of its 16 rows: 2 threads on each of 64 rows left 7 of
   // 8 threads idle there and the other two with 4 times the loads (a fifth
   // of the instructions of a head with one affected row: Nsight Compute,
-  // H200, 2026-12-01, run H4).
+  // H200).
   auto delta_rows = [&](auto threads_per_row) {
     constexpr int kT = decltype(threads_per_row)::value;
     constexpr int kPer = kChunks / kT;
@@ -480,7 +480,7 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
     // warp then sums and writes a quarter of the columns. Warp 0 alone
     // summing all of them kept the other three at the closing barrier
     // (the largest stall with one affected row per head: Nsight Compute,
-    // H200, 2026-12-01).
+    // H200).
     //
     // A split tile adds the other block's sums: the cluster's second block
     // writes its quarter sums into the first block's stage 1 (free once

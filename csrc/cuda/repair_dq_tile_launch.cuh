@@ -5,9 +5,9 @@
 // One launch, no workspace: each block finds the rows of its own tiles
 // (repair_dq_scan.cuh) and recomputes them (repair_dq_tile.cuh). A kernel
 // launch costs the host about 4 us inside a backward, most of the 5 us a
-// call may add (issue 11): with a scan kernel and a tile kernel the repair
+// call may add (the host-time budget): with a scan kernel and a tile kernel the repair
 // added 8.6 us to a backward, 1.0 us without their launches (H200 host,
-// torch 2.11, paired rounds, 2026-11-30). A grid-wide barrier between a
+// torch 2.11, paired rounds). A grid-wide barrier between a
 // scan phase and a tile phase would need every block resident at once (a
 // cooperative launch), which stalls the repair behind whatever else holds
 // the GPU's multiprocessors, such as the NCCL kernels of data-parallel
@@ -69,7 +69,7 @@ struct TileConfig {
 // The driver's cuLaunchKernelEx, found through the runtime (no link to
 // libcuda). Launching the kernel's driver handle directly skips the
 // runtime's lookup of the kernel: 0.5-0.8 us less host time per backward
-// than cudaLaunchKernelEx (H200 host, paired rounds, 2026-11-30).
+// than cudaLaunchKernelEx (H200 host, paired rounds).
 using LaunchKernelEx = CUresult (*)(const CUlaunchConfig*, CUfunction, void**, void**);
 inline LaunchKernelEx launch_kernel_ex() {
   static const LaunchKernelEx fn = [] {
@@ -176,7 +176,7 @@ TileConfig tile_config(int device, bool has_bias) {
 // it starts as the backward's last kernel (the conversion of dQ to 16 bits)
 // retires its blocks, without the gap between two plain launches, and
 // waits for it only before writing dQ (wait_for_grid_ahead). 1-3 us less
-// per backward, with or without affected rows (H200, cuDNN 9.19, runs M1-M2).
+// per backward, with or without affected rows (H200, cuDNN 9.19).
 template <class Elt, int kWidth>
 void launch_repair_width(const ScanParams& scan, TileParams tiles, int device,
                          cudaStream_t stream, bool behind_backward) {
@@ -185,7 +185,8 @@ void launch_repair_width(const ScanParams& scan, TileParams tiles, int device,
   TORCH_CHECK(config.blocks_per_sm > 0, "openwam::repair_dq_rows: the repair kernel (head_dim width ",
               kWidth, ") does not fit on this GPU's multiprocessors");
   tiles.stages = config.stages;
-  const int cluster = launch_cluster(tiles.s_kv, tiles.tiles_per_head, config.max_clusters);
+  const int cluster =
+      kLaunchClusters ? launch_cluster(tiles.s_kv, tiles.tiles_per_head, config.max_clusters) : 1;
   const int64_t slots =
       cluster > 1 ? config.max_clusters
                   : static_cast<int64_t>(config.blocks_per_sm) *

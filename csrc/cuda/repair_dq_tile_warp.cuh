@@ -32,8 +32,7 @@ struct TileShape {
   // accumulators (16 x 256 fp32 leave room for 16 keys, not 32).
   static constexpr int kWideNT = kWidth <= 128 ? 4 : 2;
   // The same on wgmma (warpgroup_scores_to_ds): 32 keys too. The whole key
-  // block (m64n64 scores) was 7% slower at 4096x4032 every row (H200,
-  // 2026-12-01, runs G1-G2).
+  // block (m64n64 scores) was 7% slower at 4096x4032 every row (H200).
   static constexpr int kWgmmaNT = 4;
 };
 
@@ -224,8 +223,7 @@ __device__ __forceinline__ void warp_key_block(
 
   // S and dP first, then the softmax: its branches (scores_to_probs) would
   // otherwise keep dP's loads and mma from overlapping it, and a narrow tile
-  // is a chain of such latencies (one row per head: 9% slower that way, H200,
-  // 2026-12-01).
+  // is a chain of such latencies (one row per head: 9% slower that way, H200).
   float p[kNT][4], ds[kNT][4];
 #pragma unroll
   for (int j = 0; j < kNT; ++j) {
@@ -257,7 +255,7 @@ __device__ __forceinline__ void warp_key_block(
 // wide tile (warp w: rows 16 w..) and keys key0 .. key0 + 8 kNT - 1 of the
 // key block. K and V are read from shared memory once per warpgroup instead
 // of once per warp, which bounded the mma.sync tile at about a third of the
-// tensor cores' rate (repair_kernel_2026-12-01_h200.txt: 331 TFLOP/s at
+// tensor cores' rate (331 TFLOP/s at
 // 4096x4032). Every warp of the block calls them; rows past the tile's end
 // are zeros with lse +inf (P = 0).
 //

@@ -64,6 +64,7 @@ py::dict explain(const at::Tensor& query, const at::Tensor& key, const at::Tenso
                  bool is_causal, std::optional<double> scale, bool enable_gqa) {
   const openwam::SdpaCall call{query, key, value, attn_mask, dropout_p,
                                is_causal, scale, enable_gqa};
+  openwam::check_call(call);
   const openwam::Settings settings = openwam::current_settings();
   const openwam::Decision d = openwam::decide(call, settings);
   py::dict out;

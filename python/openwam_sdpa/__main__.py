@@ -1,17 +1,11 @@
-"""`python -m openwam_sdpa doctor [--json]`: diagnose this stack (see doctor.py)."""
+"""`python -m openwam_sdpa COMMAND`: the command line (cli.py)."""
 
+import signal
 import sys
 
-from . import doctor
+from .cli import main
 
-USAGE = "usage: python -m openwam_sdpa doctor [--json]"
-
-
-def main(argv):
-    if not argv or argv[0] != "doctor":
-        print(USAGE, file=sys.stderr)
-        return 64
-    return doctor.main(argv[1:])
-
-
-sys.exit(main(sys.argv[1:]))
+if hasattr(signal, "SIGPIPE"):
+    # `... | head` ends the output quietly, as for other command-line tools.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+sys.exit(main())

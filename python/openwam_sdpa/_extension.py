@@ -4,13 +4,15 @@ A C++ extension is tied to the torch it was compiled against: against another
 one it fails with an `undefined symbol` at import, or worse, loads and
 misbehaves. Both cases end here in one clear error naming both versions.
 
-Beyond that, only torch 2.11-2.14 is supported: the releases whose ATen cuDNN
-attention ops (`_scaled_dot_product_cudnn_attention` and its backward, called
-directly) and `_fused_sdp_choice` were checked to have the schema the C++ code
-is written for, and whose cuDNN (9.19-9.24) has the key-tail defect this
-package repairs. Older releases were never checked: refused. From 2.15 torch
-ships cuDNN 9.26, which fixes that defect: allowed, with a warning, so that a
-torch upgrade does not break a program that still imports openwam_sdpa.
+Beyond that, only torch 2.11-2.15 is supported: the releases built and tested,
+whose ATen cuDNN attention ops (`_scaled_dot_product_cudnn_attention` and its
+backward, called directly) and `_fused_sdp_choice` have the schema the C++ code
+is written for. Their CUDA wheels pin cuDNN 9.19-9.24 (2.11-2.14: the key-tail
+defect this package repairs) and 9.26.0 (2.15: that defect fixed upstream; the
+single-query-row defects cudnn-frontend #1071 and #1072 are reported on it and
+stay guarded). Older releases were never checked: refused. A newer one was
+never built: allowed, with a warning, so that a torch upgrade does not break a
+program that still imports openwam_sdpa.
 """
 
 import re
@@ -19,14 +21,18 @@ import warnings
 import torch
 
 # The first and last supported (major, minor) release.
-SUPPORTED = ((2, 11), (2, 14))
+SUPPORTED = ((2, 11), (2, 15))
 # What was actually built and run, as opposed to checked by reading the schema.
 TESTED = (
     "2.11.0+cu130: CPU and GPU suites on an H200 (cuDNN 9.19)",
     "2.12.0+cu130: CUDA build, CPU suite and C++ tests, no GPU run",
     "2.13.0+cpu: CPU suite and C++ tests",
     "2.14.1+cu130: CUDA build, CPU suite and C++ tests, no GPU run",
+    "2.15.0+cu132: CUDA build, CPU suite and C++ tests, no GPU run",
 )
+# The newest cuDNN the guard table names (csrc/guards.h, kNewestKnownCudnn),
+# as torch 2.15.0's CUDA wheels pin it (nvidia-cudnn-cu13==9.26.0.51).
+NEWEST_KNOWN_CUDNN = "9.26"
 
 _REBUILD = (
     "rebuild openwam_sdpa against the installed torch: "
@@ -71,9 +77,10 @@ def _check_torch_version() -> None:
     if release > SUPPORTED[1]:
         warnings.warn(
             f"openwam_sdpa: torch {installed} is newer than the releases it was "
-            f"checked against; {_SUPPORT}. torch 2.15 ships cuDNN 9.26, which "
-            "fixes the key-tail defect (cudnn-frontend #160) that openwam_sdpa "
-            "repairs; the rest of openwam_sdpa is unverified there.",
+            f"built and checked against; {_SUPPORT}. Its guard table names cuDNN "
+            f"up to {NEWEST_KNOWN_CUDNN} (torch {SUPPORTED[1][0]}.{SUPPORTED[1][1]}); "
+            "on a newer cuDNN no guard rule applies and the op runs PyTorch's stock "
+            "path; the rest of openwam_sdpa is unverified on this torch.",
             stacklevel=2,
         )
 

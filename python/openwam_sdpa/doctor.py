@@ -12,13 +12,17 @@ path) and through openwam_sdpa, counting non-finite gradient elements:
   padded prompts (DPO, GRPO) give it. The padding's query rows see no key;
   stock cuDNN turns the mask into -65504, so their logsumexp is near -65504.
 
-Exit codes: 0 nothing to do (not affected, or no CUDA GPU here to be affected);
-1 this stack is affected (stock SDPA gives NaN, or the guard table lists it)
-and openwam_sdpa fixes it; 2 openwam_sdpa itself gave non-finite gradients.
+Exit codes (the command line's, cli.py, one meaning each):
+
+  0  nothing to do: not affected, or no CUDA GPU here to be affected
+  1  this stack is affected (stock SDPA gives NaN, or the guard table lists
+     it) and openwam_sdpa fixes it
+  2  usage error (argparse's code; never a verdict)
+  3  openwam_sdpa itself gave non-finite gradients
 """
 
-import argparse
 import json
+import re
 import sys
 
 import torch
@@ -27,7 +31,8 @@ import torch.nn.functional as F
 from . import ops
 from .adversarial import adversarial_inputs, left_padding_mask
 
-EXIT_OK, EXIT_AFFECTED, EXIT_BROKEN = 0, 1, 2
+# 2 is argparse's code for a usage error: no verdict reuses it.
+EXIT_OK, EXIT_AFFECTED, EXIT_BROKEN = 0, 1, 3
 
 ADVERSARIAL = dict(batch=2, heads=4, s_q=128, s_kv=704, head_dim=128)
 LEFT_PADDED = dict(batch=2, heads=4, s=704, head_dim=128, padding=64)
@@ -50,19 +55,25 @@ def shipped_cudnn(torch_version):
     return KNOWN_PAIRS.get(".".join(torch_version.split("+")[0].split(".")[:2]))
 
 
+def defect_of(name):
+    """A row's defect: its name less a version suffix (key_tail_nan_dq_9.19
+    is the measured twin of key_tail_nan_dq)."""
+    return re.sub(r"_\d+\.\d+$", "", name)
+
+
 def rules_for(version, rules):
     """The guard rows whose cuDNN range [first_version, end_version) holds
     `version`, each with `measured` (the version lies in the row's measured
-    range). Of the key-tail rows only the first that applies (table order):
-    on 9.19.0 the measured row, not the conservative one behind it."""
-    found, key_tail_seen = [], False
+    range). Of the rows of one defect only the first that applies (table
+    order): on 9.19.0 the measured rows, not the general ones behind them."""
+    found, defects_seen = [], set()
     for row in rules:
         if not row.get("first_version", 0) <= version < row.get("end_version", 0):
             continue
-        if row["name"].startswith("key_tail"):
-            if key_tail_seen:
-                continue
-            key_tail_seen = True
+        defect = defect_of(row["name"])
+        if defect in defects_seen:
+            continue
+        defects_seen.add(defect)
         measured = row.get("measured_first_version", 0) <= version < row.get("measured_end_version", 0)
         found.append(dict(row, measured=measured))
     return found
@@ -268,14 +279,11 @@ def format_report(facts):
     return "\n".join(lines)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m openwam_sdpa doctor",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print the facts as JSON")
-    args = parser.parse_args(argv)
+def run(as_json=False):
+    """Diagnose, print the report (or JSON) and the verdict; the exit code."""
     facts = collect_facts()
     line, code = verdict(facts)
-    if args.json:
+    if as_json:
         print(json.dumps(dict(facts, verdict=line, exit_code=code), indent=1, default=str))
     else:
         print(format_report(facts))
@@ -284,4 +292,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .cli import main
+    sys.exit(main(["doctor", *sys.argv[1:]]))

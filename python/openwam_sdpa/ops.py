@@ -6,6 +6,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from . import _arguments
 from ._extension import _C
 
 # Bound at import, before patch() can replace it: the inputs the op does not
@@ -36,6 +37,16 @@ def sdpa(
     implementation. Nested tensors and torch.nn.attention.bias masks go to
     PyTorch's function as they are, so their own handling applies.
     """
+    if not (type(dropout_p) is float and type(is_causal) is bool and type(enable_gqa) is bool
+            and (scale is None or type(scale) is float)):
+        # An int dropout_p, a NumPy scale...: the op's types, as F.sdpa reads
+        # them. What F.sdpa rejects goes to it for its TypeError (and what
+        # this reading of its parser missed, it serves itself).
+        floats = _arguments.scalars(dropout_p, is_causal, scale, enable_gqa)
+        if floats is None:
+            return _PYTORCH_SDPA(query, key, value, attn_mask, **_arguments.keywords(
+                dropout_p, is_causal, scale, enable_gqa))
+        dropout_p, scale = floats
     if (type(query) is _Tensor and type(key) is _Tensor and type(value) is _Tensor
             and (attn_mask is None or type(attn_mask) is _Tensor) and not _compiling()
             and not query.is_nested and not _torch_function_mode_on()):
@@ -128,6 +139,15 @@ def explain(
     enable_gqa: bool = False,
 ) -> dict:
     """What sdpa() would do with these inputs: route, backend, plan, guard rule."""
+    floats = _arguments.scalars(dropout_p, is_causal, scale, enable_gqa)
+    if floats is None or not all(isinstance(t, _Tensor) for t in (query, key, value)) or not (
+            attn_mask is None or isinstance(attn_mask, _Tensor)):
+        # F.sdpa raises its TypeError for these (pybind's would print the tensors).
+        _PYTORCH_SDPA(query, key, value, attn_mask,
+                      **_arguments.keywords(dropout_p, is_causal, scale, enable_gqa))
+        raise TypeError("explain() takes the arguments of F.scaled_dot_product_attention "
+                        "as tensors, floats and bools")
+    dropout_p, scale = floats
     return _C.explain(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 

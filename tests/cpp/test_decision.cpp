@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <ATen/SDPBackend.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/functorch/BatchedTensorImpl.h>
 
 #include <string>
 
@@ -176,6 +177,25 @@ TEST_CASE("decide: cuDNN unavailable on the device: PyTorch, not asked", "[decis
     CHECK(std::string(d.reason) == "inputs are not on a CUDA device");
     CHECK(std::string(d.pytorch_choice) == "not asked");
     CHECK(d.plan.none());
+  }
+}
+
+TEST_CASE("decide: inputs batched by torch.func.vmap: PyTorch, cuDNN off, not asked",
+          "[decision]") {
+  // A BatchedTensorImpl, as torch.func.vmap hands the op its inputs.
+  Inputs in = key_tail_call();
+  in.value = at::functorch::makeBatched(in.value, 0, /*level=*/1);
+  for (const Settings& s : {kFollow, kPrefer, kNever}) {
+    PosedStack stack;
+    Decision d = stack.decide(in, s);
+    CHECK(d.route == Route::kPyTorchWithoutCudnn);
+    CHECK_THAT(d.reason, Contains("torch.func.vmap"));
+    stack.other_sdp_enabled = false;  // cuDNN the only backend: the user's to have
+    CHECK(stack.decide(in, s).route == Route::kPyTorch);
+    stack.other_sdp_enabled = true;
+    stack.cudnn_unavailable = "inputs are not on a CUDA device";
+    CHECK(stack.decide(in, s).route == Route::kPyTorch);
+    CHECK(stack.calls == 0);
   }
 }
 

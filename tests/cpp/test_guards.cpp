@@ -116,6 +116,53 @@ TEST_CASE("guard_rules: every field filled in", "[guards]") {
   CHECK(names.size() == rules.size());
 }
 
+TEST_CASE("guard_rules: a row with nothing measured says so", "[guards]") {
+  // The doctor and the warning print the source: a conservative row must not
+  // read as this project's measurement.
+  for (const GuardRule& r : openwam::guard_rules()) {
+    CAPTURE(r.name, r.source);
+    if (r.measured.empty()) {
+      CHECK_THAT(r.source, Catch::Matchers::Contains("not measured by this project"));
+    } else {
+      CHECK_THAT(r.source, Catch::Matchers::Contains("this project's"));
+    }
+  }
+}
+
+TEST_CASE("torch 2.15's cuDNN 9.26.0: the rows that apply, all conservative",
+          "[guards]") {
+  // torch 2.15.0's CUDA wheels pin nvidia-cudnn-cu13==9.26.0.51.
+  const long pinned = k9_26_0;
+  REQUIRE(pinned <= kNewestKnownCudnn);
+  std::vector<std::string> applying;
+  for (const GuardRule& r : openwam::guard_rules()) {
+    if (!r.versions.contains(pinned)) {
+      continue;
+    }
+    CAPTURE(r.name);
+    applying.emplace_back(r.name);
+    CHECK_FALSE(r.measured.contains(pinned));
+    CHECK_THAT(r.versions_text, Catch::Matchers::Contains("9.26") &&
+                                    Catch::Matchers::Contains("torch 2.15"));
+    CHECK_THAT(r.source, Catch::Matchers::Contains("9.26.0.51") &&
+                             Catch::Matchers::Contains("conservative"));
+  }
+  CHECK(applying ==
+        std::vector<std::string>{"bhsq1_backward_plan_segfault", "sq1_nan_dk_dv"});
+  // The key-tail rows end before it, and the one that ends there says why.
+  CHECK_THAT(rule("key_tail_nan_dq").source,
+             Catch::Matchers::Contains("fixed in cuDNN 9.26") &&
+                 Catch::Matchers::Contains("not measured by this project"));
+  // What the op does there: the single-row calls are still guarded, a key
+  // tail alone is not.
+  CHECK(name_of(openwam::check_guards(shape(1, 1, 1, 300, 64), pinned).avoid) ==
+        "bhsq1_backward_plan_segfault");
+  CHECK(openwam::check_guards(shape(1, 4, 1, 320, 64), pinned).plan.to_string() ==
+        "pad_query_backward");
+  CHECK(openwam::check_guards(shape(2, 4, 8, 320, 64), pinned).plan.none());
+  CHECK(openwam::check_guards(shape(2, 4, 8, 300, 96, true, 0.25), pinned).plan.none());
+}
+
 TEST_CASE("rule bhsq1_backward_plan_segfault: 9.25.1 up to the newest known",
           "[guards]") {
   const GuardRule& r = rule("bhsq1_backward_plan_segfault");

@@ -5,7 +5,7 @@ torch.compile, explain_varlen, and the cuDNN ragged-layout sweep.
 Engines: "flash" (ATen's FlashAttention-2 varlen, the default) and
 "block_diagonal" (openwam::sdpa over the packed batch with a block-diagonal
 mask) in this process; "cudnn" (the ragged layout, guarded off by the row
-ragged_unverified) only through scripts/sweep_varlen_ragged.py in a child
+ragged_unverified) only through tools/sweep_varlen_ragged.py in a child
 process per cell with a timeout, since a torch 2.7 probe hung on it.
 
 The error rule is the suite's (support.twice_stock_problem): against the
@@ -28,13 +28,13 @@ import pytest
 import torch
 
 import openwam_sdpa
-from support import load_script, max_err, nonfinite, script_path, twice_stock_problem
+from support import load_tool, max_err, nonfinite, tool_path, twice_stock_problem
 
 from .conftest import GPU_MARKS, LOW_ROW_FLOOR, floor_for
 
 pytestmark = GPU_MARKS
 
-sweep = load_script("sweep_varlen_ragged.py")
+sweep = load_tool("sweep_varlen_ragged.py")
 DTYPE = torch.bfloat16
 IN_PROCESS_ENGINES = ("flash", "block_diagonal")
 # A sweep cell takes seconds (the import, then a few forward+backward); a
@@ -255,7 +255,7 @@ def test_cudnn_ragged_sweep(cell, suite_results):
     default engine must give: FlashAttention-2 finite on every cell. Rows go
     to gpu_suite_results (section "varlen cuDNN ragged sweep") and
     $OUT/varlen_ragged_sweep/<cell>.json."""
-    cmd = [sys.executable, script_path("sweep_varlen_ragged.py"), "--cells", cell,
+    cmd = [sys.executable, tool_path("sweep_varlen_ragged.py"), "--cells", cell,
            "--engines", "flash,cudnn"]  # flash first: a cuDNN hang leaves its row
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=SWEEP_CELL_TIMEOUT_S)

@@ -1,0 +1,59 @@
+"""F.sdpa's scalar arguments, read as PyTorch's argument parser reads them.
+
+F.sdpa's parser (torch/csrc/utils/python_arg_parser.cpp) takes for a `float`
+(dropout_p, scale) a Python float or int (bool included), a NumPy number, a
+0-dim tensor that does not require grad, or a SymFloat/SymInt, and converts
+it as float() does; for a `bool` (is_causal, enable_gqa) only a bool or a
+SymBool. The bindings below the op are looser (pybind's and torch.ops' take
+None as False and a tensor as its truth value) and their errors print the
+arguments, tensors' contents included. So the Python entry points pass the op
+only what F.sdpa would take, and hand anything else to F.sdpa itself, which
+raises its own TypeError.
+"""
+
+import sys
+
+import torch
+
+_SYMBOLIC_NUMBER = (torch.SymFloat, torch.SymInt)
+_Tensor = torch.Tensor
+
+
+def _takes_float(value) -> bool:
+    if isinstance(value, (float, int)) or isinstance(value, _SYMBOLIC_NUMBER):
+        return True
+    if isinstance(value, _Tensor):
+        return value.dim() == 0 and not value.requires_grad
+    numpy = sys.modules.get("numpy")  # a NumPy number exists only once NumPy is imported
+    return numpy is not None and isinstance(value, (numpy.number, numpy.bool_))
+
+
+def _as_float(value):
+    # float() converts as the parser does (__float__, then __index__), and
+    # fails as it does (OverflowError, a complex tensor's RuntimeError);
+    # symbolic numbers stay symbolic for the tracer.
+    return value if isinstance(value, _SYMBOLIC_NUMBER) else float(value)
+
+
+def _takes_bool(value) -> bool:
+    return type(value) is bool or isinstance(value, torch.SymBool)
+
+
+def scalars(dropout_p, is_causal, scale, enable_gqa):
+    """(dropout_p, scale) as the op's float arguments, or None where F.sdpa
+    rejects one of the four: the caller then calls F.sdpa for its error."""
+    if not (_takes_float(dropout_p) and _takes_bool(is_causal)
+            and (scale is None or _takes_float(scale)) and _takes_bool(enable_gqa)):
+        return None
+    return _as_float(dropout_p), (None if scale is None else _as_float(scale))
+
+
+def keywords(dropout_p, is_causal, scale, enable_gqa) -> dict:
+    """The four as keywords, for the call to F.sdpa that raises its error.
+
+    F.sdpa's message adds " (position N)" for an argument passed by position.
+    Which way the caller passed dropout_p or is_causal cannot be seen from
+    here; by keyword, the message matches the common call (Hugging Face's),
+    and says nothing untrue for the other."""
+    return {"dropout_p": dropout_p, "is_causal": is_causal, "scale": scale,
+            "enable_gqa": enable_gqa}

@@ -1,0 +1,309 @@
+"""The command line, `python -m openwam_sdpa COMMAND`: doctor, explain, guards.
+
+Exit codes mean one thing each, whatever the command (EXIT_CODES below):
+argparse's 2 is the usage error, so the doctor's verdicts use 0, 1 and 3.
+"""
+
+import argparse
+import json
+import sys
+
+import torch
+
+from . import doctor, ops
+
+EXIT_USAGE = 2  # argparse's own code for a bad command line
+
+EXIT_CODES = f"""\
+exit codes:
+  {doctor.EXIT_OK}  success; doctor: nothing to do (not affected, or no CUDA GPU here)
+  {doctor.EXIT_AFFECTED}  doctor: this stack is affected, and openwam_sdpa fixes it
+  {EXIT_USAGE}  usage error: unknown command or bad argument (argparse's code)
+  {doctor.EXIT_BROKEN}  doctor: openwam_sdpa itself gave non-finite gradients"""
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+          "fp64": torch.float64}
+
+ROUTES = {
+    "cudnn": "the guarded cuDNN path",
+    "pytorch": "PyTorch's own F.scaled_dot_product_attention, untouched",
+    "pytorch_without_cudnn": "PyTorch's F.scaled_dot_product_attention with cuDNN off for the call",
+    "math": "PyTorch's math backend (an input is empty)",
+}
+
+
+def version_text():
+    from . import __version__
+    info = ops.build_info()
+    cuda = torch.version.cuda or "none (CPU build)"
+    return (f"openwam_sdpa {__version__} (torch {torch.__version__}, extension built for "
+            f"torch {info['torch_version']}; CUDA {cuda}; cuDNN runtime "
+            f"{doctor.cudnn_str(info['cudnn_runtime'])}, compiled "
+            f"{doctor.cudnn_str(info['cudnn_compiled'])})")
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def cudnn_version(text):
+    """9.19.0, 9.19 or 91900 to cuDNN's encoding (90000 + 100 * minor + patch)."""
+    parts = text.split(".")
+    try:
+        if len(parts) == 1 and int(text) >= 10000:
+            return int(text)
+        if 2 <= len(parts) <= 3:
+            major, minor, patch = (int(p) for p in parts + ["0"] * (3 - len(parts)))
+            if major > 0 and 0 <= minor < 100 and 0 <= patch < 100:
+                return major * 10000 + minor * 100 + patch
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected a cuDNN version such as 9.19.0 or 91900, got {text!r}")
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="python -m openwam_sdpa",
+        description="openwam_sdpa: torch SDPA with cuDNN's backward NaN defects guarded.",
+        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=version_text())
+    # Each command keeps its parser (`subparser`): errors show its usage line.
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = commands.add_parser(
+        "doctor", help="is this stack affected, and does the fix hold? (runs two cases on the GPU)",
+        description=doctor.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print the facts and the verdict as JSON")
+    p.set_defaults(subparser=p)
+
+    p = commands.add_parser(
+        "explain", help="what the op would do for given shapes, dtype, mask and head counts",
+        description="What openwam_sdpa.sdpa would do with a call of these shapes: its route, "
+                    "PyTorch's own backend choice, the fix plan and the guard rule. Nothing "
+                    "is allocated (fake tensors); a call is never run.",
+        epilog="example: python -m openwam_sdpa explain --batch 2 --heads 16 --kv-heads 4 "
+               "--q-len 307 --kv-len 320 --head-dim 96 --dtype bf16 --mask bool --device cuda")
+    p.add_argument("--batch", type=positive_int, metavar="N", default=1)
+    p.add_argument("--heads", type=positive_int, metavar="N", default=8, help="query heads (default 8)")
+    p.add_argument("--kv-heads", type=positive_int, metavar="N",
+                   help="key/value heads (default: --heads); fewer means grouped-query "
+                        "attention (enable_gqa=True)")
+    p.add_argument("--q-len", type=positive_int, metavar="N", default=1024, help="query length (default 1024)")
+    p.add_argument("--kv-len", type=positive_int, metavar="N", help="key/value length (default: --q-len)")
+    p.add_argument("--head-dim", type=positive_int, metavar="N", default=128, help="default 128")
+    p.add_argument("--value-head-dim", type=positive_int, metavar="N", help="default: --head-dim")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--mask", choices=["none", "bool", "additive"], default="none",
+                   help="attn_mask of shape [batch, 1, q_len, kv_len]: bool (True: attend, as "
+                        "Hugging Face's sdpa mask) or additive in --dtype (default none)")
+    p.add_argument("--causal", action="store_true", help="is_causal=True (not with --mask)")
+    p.add_argument("--dropout", type=float, metavar="P", default=0.0, help="dropout_p (default 0)")
+    p.add_argument("--scale", type=float, metavar="S", help="scale (default 1/sqrt(head_dim))")
+    p.add_argument("--inference", action="store_true",
+                   help="a call without gradients (the defects are in the backward)")
+    p.add_argument("--device", choices=["cuda", "cpu"],
+                   default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="default: cuda when a CUDA GPU is here")
+    p.add_argument("--json", action="store_true", help="print the answer as JSON")
+    p.set_defaults(subparser=p)
+
+    p = commands.add_parser(
+        "guards", help="the guard table, and the rows that apply to this stack's cuDNN",
+        description="The guard table of known cuDNN attention defects, and which rows apply "
+                    "to the runtime cuDNN (without one: to the cuDNN this torch ships).")
+    p.add_argument("--cudnn", type=cudnn_version, metavar="VERSION",
+                   help="read the table for this cuDNN instead (9.19.0, 9.19 or 91900)")
+    p.add_argument("--json", action="store_true", help="print the table as JSON")
+    p.set_defaults(subparser=p)
+    return parser
+
+
+# ------------------------------------------------------------------ explain
+
+
+def explain_call(args):
+    """The call the options describe, as a dict (JSON's and the report's)."""
+    kv_heads = args.kv_heads or args.heads
+    return dict(batch=args.batch, heads=args.heads, kv_heads=kv_heads, q_len=args.q_len,
+                kv_len=args.kv_len or args.q_len, head_dim=args.head_dim,
+                value_head_dim=args.value_head_dim or args.head_dim, dtype=args.dtype,
+                mask=args.mask, causal=args.causal, dropout=args.dropout, scale=args.scale,
+                enable_gqa=kv_heads != args.heads, differentiated=not args.inference,
+                device=args.device)
+
+
+def fake_inputs(call):
+    """query, key, value and mask as fake tensors on call["device"]: shapes,
+    strides and dtype without memory, on a machine without CUDA too."""
+    dtype = DTYPES[call["dtype"]]
+    b, lq, lk = call["batch"], call["q_len"], call["kv_len"]
+    q = torch.empty(b, call["heads"], lq, call["head_dim"], dtype=dtype, device=call["device"],
+                    requires_grad=call["differentiated"])
+    k = torch.empty(b, call["kv_heads"], lk, call["head_dim"], dtype=dtype, device=call["device"])
+    v = torch.empty(b, call["kv_heads"], lk, call["value_head_dim"], dtype=dtype,
+                    device=call["device"])
+    mask = None
+    if call["mask"] != "none":
+        mask_dtype = torch.bool if call["mask"] == "bool" else dtype
+        mask = torch.empty(b, 1, lq, lk, dtype=mask_dtype, device=call["device"])
+    return q, k, v, mask
+
+
+def explain(call):
+    """openwam_sdpa.explain() for the call, with notes where this machine
+    cannot answer for a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = (call["dropout"], call["causal"], call["scale"], call["enable_gqa"])
+    notes, cuda_available = [], torch.cuda.is_available()
+    try:
+        # Fake tensors: the decision reads only metadata (as under torch.compile).
+        with FakeTensorMode():
+            answer = ops.explain(*fake_inputs(call), *args)
+    except Exception as e:  # noqa: BLE001  (a torch that cannot fake a CUDA device here)
+        if call["device"] != "cuda" or cuda_available:
+            raise
+        notes.append(f"fake CUDA tensors failed here ({type(e).__name__}: {e}); "
+                     "explained for meta tensors of the same shapes")
+        answer = ops.explain(*fake_inputs(dict(call, device="meta")), *args)
+    answer = dict(answer, call=call, cuda_available=cuda_available, notes=notes,
+                  shipped_cudnn_key_tail=None)
+    rule = next((r for r in ops.guard_rules() if r["name"] == answer["rule"]), None)
+    answer["rule_defect"] = rule["defect"] if rule else ""
+    if call["device"] == "cuda" and not answer["cuda_available"]:
+        answer["notes"].append(
+            "no CUDA GPU here: the answer is what the op does on this machine. On a GPU the "
+            "route depends on the GPU, its cuDNN and PyTorch's backend choice: run this "
+            "command there.")
+        shipped = doctor.shipped_cudnn(torch.__version__)
+        if shipped:
+            hit = ops.key_tail_defect(shipped, call["kv_len"], call["head_dim"], call["causal"])
+            status = doctor.coverage(shipped)["status"]
+            answer["shipped_cudnn_key_tail"] = dict(cudnn=shipped, hit=bool(hit), status=status)
+            answer["notes"].append(
+                f"the guard table for cuDNN {doctor.minor_str(shipped)} (what torch "
+                f"{torch.__version__.split('+')[0]} ships, {status}): the key-tail dQ defect "
+                f"{'hits' if hit else 'does not hit'} kv_len {call['kv_len']} at head_dim "
+                f"{call['head_dim']}" + ("; on the cuDNN path the op repairs it" if hit else ""))
+    return answer
+
+
+def format_explain(a):
+    c = a["call"]
+    mask = {"none": "no mask", "bool": "bool mask", "additive": f"additive {c['dtype']} mask"}
+    flags = [mask[c["mask"]]] + (["is_causal"] if c["causal"] else [])
+    flags += [f"dropout {c['dropout']}"] if c["dropout"] else []
+    flags += [f"scale {c['scale']}"] if c["scale"] is not None else []
+    flags += ["enable_gqa"] if c["enable_gqa"] else []
+    flags.append("with gradients" if c["differentiated"] else "without gradients")
+    value_dim = f" (value {c['value_head_dim']})" if c["value_head_dim"] != c["head_dim"] else ""
+    settings = " ".join(f"{k}={v}" for k, v in a["settings"].items())
+    lines = [
+        f"openwam_sdpa explain: query [{c['batch']}, {c['heads']}, {c['q_len']}, {c['head_dim']}], "
+        f"key/value [{c['batch']}, {c['kv_heads']}, {c['kv_len']}, {c['head_dim']}]{value_dim}, "
+        f"{c['dtype']} on {c['device']}; {', '.join(flags)}",
+        f"  route           {a['route']}: {ROUTES.get(a['route'], a['route'])}",
+        f"  PyTorch picks   {a['pytorch_choice']}",
+        f"  plan            {a['plan']}",
+        f"  guard rule      {a['rule'] or 'none'}" + (f": {a['rule_defect']}" if a["rule"] else ""),
+        f"  reason          {a['reason']}",
+        f"  cuDNN           {doctor.cudnn_str(a['cudnn_runtime'])}",
+        f"  settings        {settings}",
+    ]
+    lines += [f"  note: {note}" for note in a["notes"]]
+    return "\n".join(lines)
+
+
+def run_explain(args):
+    parser = args.subparser
+    if args.kv_heads and args.heads % args.kv_heads:
+        parser.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
+    if args.causal and args.mask != "none":
+        parser.error("--causal with --mask: F.scaled_dot_product_attention rejects an "
+                     "attn_mask with is_causal=True; give one of them")
+    answer = explain(explain_call(args))
+    print(json.dumps(answer, indent=1) if args.json else format_explain(answer))
+    return doctor.EXIT_OK
+
+
+# ------------------------------------------------------------------ guards
+
+
+def guard_table(cudnn=None):
+    """The guard rows for the cuDNN read (--cudnn, else the runtime one, else
+    the one this torch ships), each with `applies` (the first row of its
+    defect whose versions hold it), `measured`, `in_range` and `behind` (the
+    row of the same defect that comes first)."""
+    runtime = ops.build_info()["cudnn_runtime"]
+    shipped = doctor.shipped_cudnn(torch.__version__)
+    if cudnn:
+        version, source = cudnn, "given"
+    elif runtime:
+        version, source = runtime, "runtime"
+    else:
+        version, source = shipped or 0, "shipped" if shipped else "none"
+    cov = doctor.coverage(version)
+    applying = {r["name"]: r for r in cov["rules"]}
+    first_of = {doctor.defect_of(r["name"]): r["name"] for r in cov["rules"]}
+    rows = []
+    for r in ops.guard_rules():
+        in_range = r["first_version"] <= version < r["end_version"]
+        behind = first_of.get(doctor.defect_of(r["name"])) if in_range else None
+        rows.append(dict(r, applies=r["name"] in applying, in_range=in_range,
+                         behind=None if behind == r["name"] else behind,
+                         measured=applying[r["name"]]["measured"] if r["name"] in applying else False))
+    return dict(cudnn=version, cudnn_source=source, cudnn_runtime=runtime, torch=torch.__version__,
+                status=cov["status"], summary=cov["summary"],
+                newest_known_cudnn=ops.build_info()["newest_known_cudnn"], rules=rows)
+
+
+def format_guards(t):
+    source = {"given": "given with --cudnn", "runtime": "loaded here",
+              "shipped": f"what torch {t['torch'].split('+')[0]} ships; none loaded here",
+              "none": "none loaded here, and this torch is not a known pair"}[t["cudnn_source"]]
+    cudnn = doctor.cudnn_str(t["cudnn"]) if t["cudnn_source"] != "shipped" \
+        else doctor.minor_str(t["cudnn"])
+    lines = [f"openwam_sdpa guards: cuDNN {cudnn} ({source})",
+             f"  {t['summary']}",
+             f"  the table knows cuDNN up to {doctor.minor_str(t['newest_known_cudnn'])}; "
+             f"rows are checked in this order:"]
+    for r in t["rules"]:
+        if r["applies"]:
+            mark = "applies, measured" if r["measured"] else "applies"
+        elif r["behind"]:
+            mark = f"in range; {r['behind']} above comes first where it covers"
+        else:
+            mark = "does not apply"
+        lines += [f"  {'*' if r['applies'] else '-'} {r['name']}  [{mark}]",
+                  f"      versions  {r['versions']}",
+                  f"      defect    {r['defect']}",
+                  f"      action    {r['action']}",
+                  f"      source    {r['source']}"]
+    return "\n".join(lines)
+
+
+def run_guards(args):
+    table = guard_table(args.cudnn)
+    print(json.dumps(table, indent=1) if args.json else format_guards(table))
+    return doctor.EXIT_OK
+
+
+# ------------------------------------------------------------------ main
+
+
+def main(argv=None):
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)  # exits EXIT_USAGE on a bad command line
+    if unknown:
+        getattr(args, "subparser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    if args.command == "doctor":
+        return doctor.run(as_json=args.json)
+    if args.command == "explain":
+        return run_explain(args)
+    return run_guards(args)

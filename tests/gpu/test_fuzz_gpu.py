@@ -1,0 +1,198 @@
+"""Differential fuzz: the op against the best stock backend, on random
+adversarial inputs at default settings.
+
+Each run draws OPENWAM_FUZZ_CASES cases (default 1,000) from a seed that
+changes per run (OPENWAM_FUZZ_SEED replays one; the seed is in every failure
+message and in the suite's results record). A case draws batch 1-8, query
+heads over 1, 2 or 4 key/value heads at GQA ratios 1/2/4/8, s_q 1-2,048,
+s_kv either = 64 (mod 128) or anything from 2 to 2,048, head_dim
+64/80/96/128/192/256, bf16 or fp16, BHSD or BSHD storage, no mask, a bool
+key mask, an additive mask, a left-padded causal mask (fully masked rows) or
+is_causal, and a share of adversarial rows (none, one per head, 10%, all) in
+one of two forms: the shared key component spread over every dimension
+(openwam_sdpa.adversarial) or held by one ("massive activation": K's first
+component + 10). Sizes are capped so that a case stays small.
+
+Rule, for the output and each gradient: the op's max error against an fp32
+reference is at most twice the best finite stock backend's (cuDNN, flash,
+efficient, all with K/V repeated to the query heads) plus a floor of a
+quarter ulp at the tensor's largest entry. Where no stock backend is finite
+the op must still be finite. Dropout cases (5%) cannot be compared element
+by element: there the op must be finite and its output unbiased (the mean
+of out - ref within 6 standard errors of zero).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import openwam_sdpa
+from openwam_sdpa.adversarial import adversarial_inputs, as_layout, left_padding_mask
+from support import Attn, floor_for, max_err, nonfinite, run
+from .conftest import GPU_MARKS, SDPBackend, run_stock
+
+pytestmark = GPU_MARKS
+
+CASES = int(os.environ.get("OPENWAM_FUZZ_CASES", "1000"))
+SEED = int(os.environ.get("OPENWAM_FUZZ_SEED", str(time.time_ns() % 2**31)))
+# Elements of a case's attention matrix (B * H * s_q * s_kv), at most.
+MAX_SCORES = 1 << 22
+DTYPES = (torch.bfloat16, torch.float16)
+HEAD_DIMS = (64, 80, 96, 128, 192, 256)
+MASKS = ("none", "bool", "additive", "left_padded", "causal")
+SHARES = ("none", "one_per_head", 0.1, "all")
+STOCK = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
+
+
+def log_uniform(rng: random.Random, lo: int, hi: int) -> int:
+    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+
+
+def draw(rng: random.Random) -> dict:
+    kv_heads = rng.choice((1, 2, 4))
+    c = dict(dtype=rng.choice(DTYPES), D=rng.choice(HEAD_DIMS), kv_heads=kv_heads,
+             H=kv_heads * rng.choice((1, 2, 4, 8)), B=rng.randint(1, 8),
+             s_q=log_uniform(rng, 1, 2048), layout=rng.choice(("bhsd", "bshd")),
+             mask=rng.choice(MASKS), rows=rng.choice(SHARES),
+             form=rng.choice(("spread", "one_dim")),
+             dropout=0.1 if rng.random() < 0.05 else 0.0, seed=rng.randrange(2**31))
+    c["s_kv"] = (128 * rng.randint(0, 15) + 64 if rng.random() < 0.5
+                 else log_uniform(rng, 2, 2048))
+    if c["mask"] == "left_padded":  # a padded batch: queries and keys are one sequence
+        c["s_kv"] = c["s_q"] = max(c["s_q"], 2)
+    while c["B"] * c["H"] * c["s_q"] * c["s_kv"] > MAX_SCORES:
+        if c["B"] > 1:
+            c["B"] //= 2
+        elif c["H"] > c["kv_heads"]:
+            c["H"] //= 2
+        elif c["s_q"] > 1 and c["mask"] != "left_padded":
+            c["s_q"] //= 2
+        else:
+            c["s_kv"] = c["s_q"] = c["s_kv"] // 2
+    return c
+
+
+def inputs(c: dict, device="cuda"):
+    """q, k, v (leaves, requiring grad), grad_out, attn_mask, is_causal."""
+    B, H, Hkv, s_q, s_kv, D = c["B"], c["H"], c["kv_heads"], c["s_q"], c["s_kv"], c["D"]
+    a = adversarial_inputs(B, H, s_q, s_kv, D, rows=c["rows"], kv_heads=Hkv, dtype=torch.float32,
+                           seed=c["seed"])
+    q, k, v, go = a.query, a.key, a.value, a.grad_out
+    if c["form"] == "one_dim":  # the shared component in K's first dimension alone
+        g = torch.Generator().manual_seed(c["seed"] + 1)
+        k = torch.randn(B, Hkv, s_kv, D, generator=g)
+        k[..., 0] += 10.0
+        low = torch.zeros(B, H, s_q, D)
+        low[..., 0] = -115.0 * math.sqrt(D) / 10.0
+        q = torch.where(a.affected.unsqueeze(-1), low, q)
+    g = torch.Generator().manual_seed(c["seed"] + 2)
+    mask, causal = None, False
+    if c["mask"] == "causal":
+        causal = True
+    elif c["mask"] == "bool":
+        keep = torch.rand(B, 1, 1, s_kv, generator=g) < 0.8
+        keep[..., 0] = True
+        mask = keep
+    elif c["mask"] == "additive":
+        mask = torch.randn(B, 1, s_q, s_kv, generator=g)
+        mask[..., s_kv - s_kv // 4:] = float("-inf") if s_kv > 3 else 0.0
+    elif c["mask"] == "left_padded":
+        lengths = torch.randint(1, s_q + 1, (B,), generator=g)
+        mask = left_padding_mask(lengths, s_q)
+
+    def finish(t):
+        t = as_layout(t.to(device=device, dtype=c["dtype"]), c["layout"])
+        return t.requires_grad_()
+
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(device=device, dtype=c["dtype"])
+    elif mask is not None:
+        mask = mask.to(device)
+    return (finish(q), finish(k), finish(v), go.to(device=device, dtype=c["dtype"]), mask,
+            causal)
+
+
+def reference(q, k, v, go, mask, causal) -> Attn:
+    """fp32 math backend on the same (rounded) values, K/V repeated."""
+    g = q.shape[1] // k.shape[1]
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    m32 = mask.float() if mask is not None and mask.dtype != torch.bool else mask
+    with torch.nn.attention.sdpa_kernel([SDPBackend.MATH]):
+        out = F.scaled_dot_product_attention(q32, k32.repeat_interleave(g, 1),
+                                             v32.repeat_interleave(g, 1), attn_mask=m32,
+                                             is_causal=causal)
+    dq, dk, dv = torch.autograd.grad(out, (q32, k32, v32), go.float())
+    return Attn(out.detach(), dq, dk, dv)
+
+
+def best_stock(q, k, v, go, mask, causal) -> dict:
+    """Per tensor, the smallest finite error of any stock backend (None: none
+    was finite or available)."""
+    results = [run_stock(getattr(SDPBackend, name), q, k, v, go, attn_mask=mask,
+                         is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+               for name in STOCK]
+    return {name: [r for r in (getattr(res, name) for res in results if res is not None)
+                   if nonfinite(r) == 0]
+            for name in Attn._fields}
+
+
+def check_case(i: int, c: dict, worst: dict) -> str | None:
+    """None when case `i` holds the rule; else what broke. worst[name] keeps
+    the largest err / best stock error seen (the README's measured ratio)."""
+    q, k, v, go, mask, causal = inputs(c)
+    gqa = c["H"] != c["kv_heads"]
+    where = f"case {i} (OPENWAM_FUZZ_SEED={SEED}): {c}"
+    ref = reference(q, k, v, go, mask, causal)
+    if c["dropout"]:
+        ours = run(openwam_sdpa.sdpa, q, k, v, go, attn_mask=mask, is_causal=causal,
+                   dropout_p=c["dropout"], enable_gqa=gqa)
+        bad = [n for n in Attn._fields if nonfinite(getattr(ours, n))]
+        if bad:
+            return f"{where}: non-finite {bad} with dropout"
+        diff = (ours.out.float() - ref.out).flatten()
+        if diff.numel() > 1 and abs(float(diff.mean())) > 6 * float(diff.std()) / math.sqrt(diff.numel()) + 1e-6:
+            return f"{where}: dropout output biased (mean {float(diff.mean()):.3e})"
+        return None
+    ours = run(openwam_sdpa.sdpa, q, k, v, go, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+    stock = best_stock(q, k, v, go, mask, causal)
+    for name in Attn._fields:
+        x, r = getattr(ours, name), getattr(ref, name)
+        err = max_err(x, r)
+        if not math.isfinite(err):
+            return f"{where}: {name} has {nonfinite(x)} non-finite elements"
+        if not stock[name]:
+            continue  # no finite stock backend: finite is the bar
+        yard = min(max_err(s, r) for s in stock[name])
+        floor = floor_for(r, c["dtype"])
+        if yard > 0:
+            worst[name] = max(worst.get(name, 0.0), err / yard)
+        if err > 2.0 * yard + floor:
+            return (f"{where}: {name} error {err:.3e} > 2 x best stock {yard:.3e} + floor "
+                    f"{floor:.3e}")
+    return None
+
+
+def test_fuzz_against_stock(suite_results):
+    rng = random.Random(SEED)
+    failures, counts, worst = [], {"cases": 0, "dropout": 0}, {}
+    t0 = time.time()
+    for i in range(CASES):
+        c = draw(rng)
+        problem = check_case(i, c, worst)
+        counts["cases"] += 1
+        counts["dropout"] += bool(c["dropout"])
+        if problem:
+            failures.append(problem)
+    suite_results.put("fuzz", f"seed {SEED}", cases=counts["cases"], dropout=counts["dropout"],
+                      failed=len(failures), seconds=round(time.time() - t0, 1),
+                      **{f"worst {n} / best stock": round(r, 3) for n, r in worst.items()})
+    print(f"fuzz: seed {SEED}, {counts['cases']} cases, {len(failures)} failed, worst error "
+          f"/ best stock: " + ", ".join(f"{n} {r:.2f}" for n, r in worst.items()))
+    assert not failures, f"{len(failures)} of {CASES} cases failed:\n" + "\n".join(failures[:10])

@@ -1,0 +1,259 @@
+"""`python -m openwam_sdpa`: help, version, exit codes, and the explain and
+guards commands on a machine without a GPU (tests/gpu/test_cli_gpu.py runs
+explain on a GPU). A few runs are child processes, as a user types them; the
+rest call cli.main in this process."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import openwam_sdpa
+from openwam_sdpa import cli, doctor
+
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU says")
+VERDICTS = (doctor.EXIT_OK, doctor.EXIT_AFFECTED, doctor.EXIT_BROKEN)
+
+
+def run_module(*args):
+    return subprocess.run([sys.executable, "-m", "openwam_sdpa", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def run_main(capsys, *args):
+    """(exit code, stdout, stderr) of cli.main in this process."""
+    try:
+        code = cli.main(list(args))
+    except SystemExit as e:  # argparse's own exits
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def explain_json(capsys, *args):
+    code, out, err = run_main(capsys, "explain", "--json", *args)
+    assert code == doctor.EXIT_OK, err
+    return json.loads(out)
+
+
+# ------------------------------------------------------------------ help, version, exit codes
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_lists_the_commands_and_the_exit_codes(flag):
+    r = run_module(flag)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: python -m openwam_sdpa"), r.stdout
+    for command in ("doctor", "explain", "guards"):
+        assert re.search(rf"^\s+{command}\s+\S", r.stdout, re.M), (command, r.stdout)
+    # The epilog's table names each code once, with the constants' values.
+    codes = dict(re.findall(r"^  (\d)  (.+)$", r.stdout.split("exit codes:")[1], re.M))
+    assert set(codes) == {str(c) for c in (*VERDICTS, cli.EXIT_USAGE)}, codes
+    assert codes[str(cli.EXIT_USAGE)].startswith("usage error")
+    assert "affected" in codes[str(doctor.EXIT_AFFECTED)]
+    assert "non-finite" in codes[str(doctor.EXIT_BROKEN)]
+
+
+def test_version():
+    r = run_module("--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"openwam_sdpa {openwam_sdpa.__version__} (torch {torch.__version__}"), r.stdout
+    assert "cuDNN runtime" in r.stdout and r.stdout.count("\n") == 1
+
+
+def test_version_is_the_installed_distribution():
+    assert importlib.metadata.version("openwam_sdpa") == openwam_sdpa.__version__
+
+
+def test_without_a_command_help_goes_to_stderr_with_the_usage_code():
+    r = run_module()
+    assert r.returncode == cli.EXIT_USAGE == 2
+    assert r.stdout == "" and "doctor" in r.stderr and "exit codes:" in r.stderr
+
+
+def test_usage_errors_never_reuse_a_verdicts_code(capsys):
+    assert cli.EXIT_USAGE not in VERDICTS and len(set(VERDICTS)) == 3
+    for args in (["bogus"], ["doctor", "--bogus"], ["explain", "--heads", "0"],
+                 ["explain", "--dtype", "int8"], ["guards", "--cudnn", "nine"]):
+        code, out, err = run_main(capsys, *args)
+        assert code == cli.EXIT_USAGE, (args, code)
+        assert "error:" in err and out == "", args
+
+
+def test_the_doctor_documents_the_same_codes():
+    text = doctor.__doc__
+    assert re.search(rf"^  {doctor.EXIT_OK}  nothing to do", text, re.M)
+    assert re.search(rf"^  {doctor.EXIT_AFFECTED}  this stack is affected", text, re.M)
+    assert re.search(rf"^  {cli.EXIT_USAGE}  usage error", text, re.M)
+    assert re.search(rf"^  {doctor.EXIT_BROKEN}  openwam_sdpa itself gave non-finite", text, re.M)
+
+
+@NO_GPU
+def test_doctor_runs_through_the_cli(capsys):
+    code, out, _ = run_main(capsys, "doctor", "--json")
+    facts = json.loads(out)
+    assert code == facts["exit_code"] == doctor.EXIT_OK and facts["gpu"] is None
+
+
+# ------------------------------------------------------------------ explain
+
+
+def test_explain_answers_as_the_op_does_for_real_tensors(capsys):
+    """The fake tensors the command builds get the answer real tensors get."""
+    args = ["--batch", "2", "--heads", "4", "--kv-heads", "2", "--q-len", "7", "--kv-len", "9",
+            "--head-dim", "16", "--dtype", "fp32", "--mask", "bool", "--device", "cpu"]
+    got = explain_json(capsys, *args)
+    q = torch.zeros(2, 4, 7, 16, requires_grad=True)
+    k = v = torch.zeros(2, 2, 9, 16)
+    mask = torch.ones(2, 1, 7, 9, dtype=torch.bool)
+    want = openwam_sdpa.explain(q, k, v, mask, 0.0, False, None, True)
+    assert {key: got[key] for key in want} == want
+    assert got["call"] == dict(batch=2, heads=4, kv_heads=2, q_len=7, kv_len=9, head_dim=16,
+                               value_head_dim=16, dtype="fp32", mask="bool", causal=False,
+                               dropout=0.0, scale=None, enable_gqa=True, differentiated=True,
+                               device="cpu")
+
+
+def test_explain_allocates_nothing(capsys):
+    """256 GiB of query in fp32, on a machine with far less: fake tensors."""
+    got = explain_json(capsys, "--batch", "64", "--heads", "64", "--q-len", "65536",
+                       "--head-dim", "256", "--dtype", "fp32", "--device", "cpu")
+    assert got["call"]["q_len"] == got["call"]["kv_len"] == 65536
+    assert got["route"] == "pytorch" and got["reason"] == "inputs are not on a CUDA device"
+
+
+def test_explain_options_reach_the_call(capsys):
+    got = explain_json(capsys, "--causal", "--dropout", "0.125", "--scale", "0.5", "--inference",
+                       "--value-head-dim", "64", "--mask", "none", "--device", "cpu")
+    c = got["call"]
+    assert (c["causal"], c["dropout"], c["scale"], c["differentiated"]) == (True, 0.125, 0.5, False)
+    assert c["value_head_dim"] == 64 and c["head_dim"] == 128 and not c["enable_gqa"]
+    assert got["differentiated"] is False  # the op saw a call without gradients
+
+
+@NO_GPU
+def test_explain_for_cuda_without_a_gpu_says_why_and_what_the_table_says(capsys):
+    got = explain_json(capsys, "--q-len", "307", "--kv-len", "320", "--head-dim", "96",
+                       "--device", "cuda")
+    assert not got["cuda_available"] and got["route"] == "pytorch"
+    assert any(n.startswith("no CUDA GPU here") for n in got["notes"]), got["notes"]
+    shipped = doctor.shipped_cudnn(torch.__version__)
+    if shipped is None:
+        assert got["shipped_cudnn_key_tail"] is None
+    else:
+        assert got["shipped_cudnn_key_tail"]["hit"] == openwam_sdpa.key_tail_defect(shipped, 320, 96)
+    code, text, _ = run_main(capsys, "explain", "--device", "cuda")
+    assert code == 0 and "note: no CUDA GPU here" in text
+
+
+@NO_GPU
+def test_explain_for_cuda_when_fake_cuda_tensors_fail(capsys, monkeypatch):
+    """A torch that cannot fake a CUDA device here: meta tensors, said so."""
+    import torch._subclasses.fake_tensor as fake_tensor
+
+    class Failing:
+        def __enter__(self):
+            raise RuntimeError("no CUDA driver")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(fake_tensor, "FakeTensorMode", Failing)
+    got = explain_json(capsys, "--device", "cuda")
+    assert got["route"] == "pytorch" and got["reason"] == "inputs are not on a CUDA device"
+    assert got["notes"][0].startswith("fake CUDA tensors failed here (RuntimeError: no CUDA driver)")
+    assert got["call"]["device"] == "cuda"
+    with pytest.raises(RuntimeError, match="no CUDA driver"):  # nothing to fall back to on the CPU
+        cli.main(["explain", "--device", "cpu"])
+
+
+def test_explain_report(capsys):
+    code, out, _ = run_main(capsys, "explain", "--batch", "2", "--heads", "16", "--kv-heads", "4",
+                            "--q-len", "307", "--kv-len", "320", "--head-dim", "96",
+                            "--mask", "additive", "--dropout", "0.1", "--device", "cpu")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == ("openwam_sdpa explain: query [2, 16, 307, 96], key/value [2, 4, 320, 96], "
+                        "bf16 on cpu; additive bf16 mask, dropout 0.1, enable_gqa, with gradients")
+    fields = [line.split()[0] for line in lines[1:8]]
+    assert fields == ["route", "PyTorch", "plan", "guard", "reason", "cuDNN", "settings"]
+    assert lines[1].startswith("  route           pytorch: PyTorch's own")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--causal", "--mask", "bool"], "rejects an attn_mask with is_causal=True"),
+    (["--heads", "6", "--kv-heads", "4"], "--heads (6) must be a multiple of --kv-heads (4)"),
+    (["--q-len", "-3"], "must be at least 1, got -3"),
+    (["--mask", "float"], "invalid choice"),
+])
+def test_explain_argument_errors(capsys, args, message):
+    code, _, err = run_main(capsys, "explain", *args)
+    assert code == cli.EXIT_USAGE and message in err, err
+    assert "usage: python -m openwam_sdpa explain" in err
+
+
+# ------------------------------------------------------------------ guards
+
+
+@pytest.mark.parametrize("text,version", [("9.19.0", 91900), ("9.19", 91900), ("91900", 91900),
+                                          ("9.26.1", 92601), ("10.0", 100000)])
+def test_cudnn_versions(text, version):
+    assert cli.cudnn_version(text) == version
+
+
+@pytest.mark.parametrize("text", ["9", "nine", "9.x", "9.100.0", "1.2.3.4", "-9.19"])
+def test_bad_cudnn_versions(text):
+    with pytest.raises(Exception, match="expected a cuDNN version"):
+        cli.cudnn_version(text)
+
+
+def guards_json(capsys, *args):
+    code, out, err = run_main(capsys, "guards", "--json", *args)
+    assert code == 0, err
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("cudnn,applying,status", [
+    ("9.19.0", {"key_tail_nan_dq_9.19", "sq1_nan_dk_dv_9.19"}, "measured"),
+    ("9.20.0", {"key_tail_nan_dq", "sq1_nan_dk_dv"}, "conservative"),
+    ("9.26.0", {"bhsq1_backward_plan_segfault", "sq1_nan_dk_dv"}, "fixed"),
+    ("9.27.0", set(), "unverified"),
+])
+def test_guards_for_a_given_cudnn(capsys, cudnn, applying, status):
+    table = guards_json(capsys, "--cudnn", cudnn)
+    assert table["cudnn"] == cli.cudnn_version(cudnn) and table["cudnn_source"] == "given"
+    assert table["status"] == status
+    assert [r["name"] for r in table["rules"]] == [r["name"] for r in openwam_sdpa.guard_rules()]
+    assert {r["name"] for r in table["rules"] if r["applies"]} == applying
+    for r in table["rules"]:
+        # A row of the same defect that comes first stands in front of one in range.
+        assert (r["behind"] is not None) == (r["in_range"] and not r["applies"]), r
+        assert r["measured"] == (r["applies"] and r["measured_first_version"] <= table["cudnn"]
+                                 < r["measured_end_version"]), r
+
+
+@NO_GPU
+def test_guards_without_a_gpu_read_the_shipped_cudnn(capsys):
+    table = guards_json(capsys)
+    shipped = doctor.shipped_cudnn(torch.__version__)
+    assert table["cudnn_runtime"] == 0
+    assert table["cudnn_source"] == ("shipped" if shipped else "none")
+    assert table["cudnn"] == (shipped or 0)
+    assert table["summary"] == doctor.coverage(shipped or 0)["summary"]
+
+
+def test_guards_report(capsys):
+    code, out, _ = run_main(capsys, "guards", "--cudnn", "9.19.0")
+    assert code == 0
+    assert out.startswith("openwam_sdpa guards: cuDNN 9.19.0 (given with --cudnn)\n  measured rule")
+    for rule in openwam_sdpa.guard_rules():
+        assert f" {rule['name']}  [" in out and rule["source"] in out
+    assert "* key_tail_nan_dq_9.19  [applies, measured]" in out
+    assert "- key_tail_nan_dq  [in range; key_tail_nan_dq_9.19 above comes first" in out
+    assert "- bhsq1_backward_plan_segfault  [does not apply]" in out

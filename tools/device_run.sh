@@ -1,0 +1,352 @@
+#!/usr/bin/env bash
+# The GPU machine's checks in one run: build, the test suites, the doctor, the
+# benchmarks, compute-sanitizer and Nsight Compute on the repair kernel.
+# Written for an H200 machine with torch 2.11+cu130, nvcc 13.0 and no network;
+# run from the repository root there (carry .deps/catch2_*.deb if the machine
+# has no Catch2):
+#
+#   bash tools/device_run.sh                          # build tests doctor bench
+#   bash tools/device_run.sh build tests              # no benchmark
+#   bash tools/device_run.sh build gpu host           # GPU suite + host figures
+#   PYTEST_ARGS='-k adversarial' bash tools/device_run.sh gpu
+#
+# Parts (default: build tests doctor bench):
+#   build   the extension: pip install --no-build-isolation --no-deps -e .
+#           (on a warm machine that already has it: incremental build_ext)
+#   ctest   CMake build of the op library + Catch2 tests, then ctest
+#   cpu     python -m pytest -q tests --ignore=tests/gpu   (the CPU suite)
+#   gpu     python -m pytest -q tests/gpu, the fuzz excepted (it has a part of its own)
+#   fuzz    python -m pytest -q -s tests/gpu/test_fuzz_gpu.py: the differential fuzz
+#           (OPENWAM_FUZZ_CASES, default 1,000; OPENWAM_FUZZ_SEED replays a run)
+#   tests   = ctest cpu gpu
+#   doctor  python -m openwam_sdpa doctor (report to $OUT/doctor.txt)
+#   sweep   python tools/sweep_single_query_row.py --out $OUT/sweep
+#   pytorch python tools/pytorch_sdpa_tests.py --device cuda --out $OUT/pt
+#           (PyTorch's own SDPA tests, plain and patched; carry .external)
+#   bench   python benchmarks/bench_sdpa.py --out $OUT/bench $BENCH_ARGS
+#   host    python benchmarks/bench_host.py --out $OUT/host (host time per
+#           call, layer by layer, paired rounds)
+#   sanitize compute-sanitizer memcheck, racecheck and synccheck on the repair
+#           kernel alone (tools/repair_kernel_cases.py --cases small;
+#           report in $OUT/sanitize.txt)
+#   profile ncu on the repair kernel at the share table's shapes
+#           (tools/repair_kernel_cases.py --cases bench; report in $OUT/ncu.txt),
+#           then its stalls per SASS instruction on one case (PROFILE_MATCH,
+#           default "32x24x360x64 one_per_head"; $OUT/ncu_source.csv)
+# A test part on a machine without the built extension builds it first.
+#
+# Files under $OUT (default build/device-out): build.log (extension + CMake
+# build), tests.log (ctest and both pytest runs), gpu_suite_results.{json,md}
+# (written by tests/gpu/conftest.py), doctor.txt, bench/bench.{json,md,png},
+# host/host.{json,md}, sanitize.txt, ncu.txt, ncu_source.csv; with JUNIT=1
+# also pytest_gpu.xml. The summary table is printed last. The whole run stops
+# itself before DEVICE_BUDGET_S seconds (default 560): parts that no longer
+# fit are reported as "skipped (time)".
+#
+# Environment: PYTEST_ARGS (extra args for both pytest runs, split on spaces:
+#   write `--deselect=ID` or `-k name`, not a quoted multi-word -k), BENCH_ARGS,
+#   TORCH_CUDA_ARCH_LIST (default 9.0a), MAX_JOBS (default: cores),
+#   FULL_BUILD=1 (always the pip build), JUNIT=1, DEVICE_BUDGET_S,
+#   GPU_CAP (the GPU suite's time limit, default 420 s; the suite takes
+#   about 300-370 s on an H200).
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+ROOT=$PWD
+T0=$SECONDS
+BUDGET=${DEVICE_BUDGET_S:-560}
+OUT=${OUT:-$ROOT/build/device-out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1   # nothing outside can be reached
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+# The machine's default CXX, /opt/gcc/bin/g++, links a private copy of
+# libstdc++'s stream code into the extension, which then segfaults formatting
+# its first error message (setup.py refuses such a build).
+# The system compiler builds against the libstdc++ the process loads.
+if [[ -x /usr/bin/g++ && -x /usr/bin/gcc ]]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
+# CMake 4 (pip's) refuses config files that declare a minimum below 3.5.
+export CMAKE_POLICY_VERSION_MINIMUM=${CMAKE_POLICY_VERSION_MINIMUM:-3.5}
+export OUT
+BUILD_LOG=$OUT/build.log
+TESTS_LOG=$OUT/tests.log
+CMAKE_DIR=$ROOT/build/cmake-device
+: >"$BUILD_LOG"
+
+say() { echo "[$(printf '%4d' $((SECONDS - T0)))s] $*"; }
+left() { echo $((BUDGET - (SECONDS - T0))); }
+# run_limited CAP LOG CMD...: CMD with a time limit of min(CAP, time left - 15 s),
+# its output appended to LOG. Returns CMD's status, 124 on timeout, 125 if no
+# time was left to start it.
+run_limited() {
+  local cap=$1 log=$2; shift 2
+  local lim=$(( $(left) - 15 ))
+  ((lim > cap)) && lim=$cap
+  if ((lim < 20)); then echo "(skipped: no time left)" >>"$log"; return 125; fi
+  timeout --kill-after=10 "$lim" "$@" >>"$log" 2>&1
+}
+section() { local f=$1; shift; printf '\n===== %s =====\n' "$*" >>"$f"; }
+
+# ------------------------------------------------------------ which parts
+parts=("$@")
+((${#parts[@]})) || parts=(build tests doctor bench)
+want_build=0 want_ctest=0 want_cpu=0 want_gpu=0 want_fuzz=0 want_doctor=0 want_bench=0 want_sweep=0 want_pytorch=0
+want_host=0 want_sanitize=0 want_profile=0
+for p in "${parts[@]}"; do
+  case $p in
+    build) want_build=1 ;;
+    ctest|cpp) want_ctest=1 ;;
+    cpu) want_cpu=1 ;;
+    gpu) want_gpu=1 ;;
+    fuzz) want_fuzz=1 ;;
+    tests) want_ctest=1 want_cpu=1 want_gpu=1 ;;
+    doctor) want_doctor=1 ;;
+    bench) want_bench=1 ;;
+    sweep) want_sweep=1 ;;
+    pytorch) want_pytorch=1 ;;
+    host) want_host=1 ;;
+    sanitize) want_sanitize=1 ;;
+    profile) want_profile=1 ;;
+    all) want_build=1 want_ctest=1 want_cpu=1 want_gpu=1 want_doctor=1 want_bench=1 ;;
+    *) echo "device_run.sh: unknown part '$p' (build ctest cpu gpu fuzz tests doctor sweep pytorch bench host sanitize profile all)"; exit 2 ;;
+  esac
+done
+
+# ------------------------------------------------------------ environment
+"$PY" - <<'EOF' 2>&1 | tee -a "$BUILD_LOG"
+import sys, torch
+cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO GPU"
+print(f"python {sys.version.split()[0]} ({sys.executable}), torch {torch.__version__}, "
+      f"cuda {torch.version.cuda}, cudnn {cudnn}, {gpu}")
+EOF
+command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
+say "nvcc $(nvcc --version 2>/dev/null | grep -oE 'release [0-9.]+' || echo 'NOT FOUND'), \
+cmake $(cmake --version 2>/dev/null | head -1 | grep -oE '[0-9.]+$'), $(nproc) cores, \
+TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, parts: ${parts[*]}"
+
+st_build="-" st_ctest="-" st_cpu="-" st_gpu="-" st_fuzz="-" st_doctor="-" st_bench="-" st_sweep="-" st_pytorch="-" build_s="-"
+st_host="-" st_sanitize="-" st_profile="-"
+
+ext_importable() {
+  (cd /tmp && "$PY" -c 'import openwam_sdpa._C' >/dev/null 2>&1)
+}
+
+# ------------------------------------------------------------ build
+do_build() {
+  local t=$SECONDS rc loc
+  loc=$(cd /tmp && "$PY" -c 'import importlib.util as u; s=u.find_spec("openwam_sdpa"); print(s.submodule_search_locations[0] if s else "")' 2>/dev/null)
+  if [[ "${FULL_BUILD:-0}" == "0" && "$loc" == "$ROOT/python/openwam_sdpa" ]] && ext_importable; then
+    section "$BUILD_LOG" "extension: incremental build_ext --inplace (editable install present)"
+    say "build: incremental (MAX_JOBS=$MAX_JOBS)"
+    run_limited 420 "$BUILD_LOG" "$PY" setup.py build_ext --inplace --build-temp build/py
+  else
+    section "$BUILD_LOG" "extension: pip install --no-build-isolation --no-deps -e ."
+    say "build: pip install --no-build-isolation --no-deps -e . (MAX_JOBS=$MAX_JOBS)"
+    run_limited 420 "$BUILD_LOG" "$PY" -m pip install --no-build-isolation --no-deps -v -e .
+  fi
+  rc=$?
+  build_s=$((SECONDS - t))
+  if ((rc == 0)) && ext_importable; then
+    st_build="ok (${build_s}s)"
+    say "build: linked by $(grep -oE '^ *[^ ]+ .*-shared' "$BUILD_LOG" | tail -1 | awk '{print $1}')"
+  else
+    st_build="FAILED (rc $rc, ${build_s}s)"
+    grep -E -A6 'error|Error' "$BUILD_LOG" | head -40
+    section "$BUILD_LOG" "import check"
+    (cd /tmp && "$PY" -c 'import openwam_sdpa._C') >>"$BUILD_LOG" 2>&1
+  fi
+  say "build: $st_build"
+}
+if ((want_build)) || { ((want_cpu || want_gpu || want_fuzz || want_doctor || want_bench || want_sweep || want_pytorch || want_host || want_sanitize || want_profile)) && ! ext_importable; }; then
+  do_build
+fi
+
+# ------------------------------------------------------------ cmake + ctest
+if ((want_ctest)); then
+  cmake_args=(-S "$ROOT" -B "$CMAKE_DIR" -DCMAKE_BUILD_TYPE=Release -DOPENWAM_PYTHON="$(command -v "$PY")")
+  [[ -f "$CMAKE_DIR/CMakeCache.txt" ]] || cmake_args+=(-G Ninja)
+  deb=$(compgen -G "$ROOT/.deps/catch2_*.deb" | head -1)
+  if [[ -n "$deb" ]]; then
+    rm -rf /tmp/catch2 && mkdir -p /tmp/catch2
+    if command -v dpkg >/dev/null; then dpkg -x "$deb" /tmp/catch2
+    else (cd /tmp/catch2 && ar p "$deb" data.tar.xz | tar -xJ); fi
+    cmake_args+=(-DCMAKE_PREFIX_PATH=/tmp/catch2/usr)
+  elif [[ ! -f /usr/include/catch2/catch.hpp ]]; then
+    say "ctest: no .deps/catch2_*.deb (carry .deps) and no system Catch2: configure will fail"
+  fi
+  section "$BUILD_LOG" "cmake configure + build ($CMAKE_DIR)"
+  say "ctest: cmake configure + build"
+  t=$SECONDS
+  if run_limited 60 "$BUILD_LOG" cmake "${cmake_args[@]}" &&
+     run_limited 360 "$BUILD_LOG" cmake --build "$CMAKE_DIR" -j "$MAX_JOBS"; then
+    section "$TESTS_LOG" "ctest"
+    say "ctest: built in $((SECONDS - t))s; running"
+    tmp=$(mktemp)
+    (cd "$CMAKE_DIR" && run_limited 120 "$tmp" ctest --output-on-failure -j 8)
+    rc=$?
+    cat "$tmp" >>"$TESTS_LOG"
+    line=$(grep -E 'tests passed|No tests were found' "$tmp" | tail -1)
+    ((rc == 0)) || grep -E 'Failed|\*\*\*' "$tmp" | head -15
+    rm -f "$tmp"
+    if ((rc == 0)) && [[ "$line" == *"tests passed"* ]]; then
+      st_ctest="ok: ${line}"
+    else
+      st_ctest="FAILED (rc $rc): ${line:-no summary}"
+    fi
+  else
+    st_ctest="FAILED: cmake configure/build (build.log)"
+    grep -E -A6 'error|Error' "$BUILD_LOG" | tail -40
+  fi
+  say "ctest: $st_ctest"
+fi
+
+# ------------------------------------------------------------ pytest
+# pytest_part NAME CAP ARGS...: runs pytest, sets REPLY to its status text.
+pytest_part() {
+  local name=$1 cap=$2 rc line tmp; shift 2
+  tmp=$(mktemp)
+  section "$TESTS_LOG" "pytest $name: python -m pytest -q $* ${PYTEST_ARGS:-}"
+  say "pytest $name: $*"
+  # shellcheck disable=SC2086
+  run_limited "$cap" "$tmp" "$PY" -m pytest -q -rfE "$@" ${PYTEST_ARGS:-}
+  rc=$?
+  cat "$tmp" >>"$TESTS_LOG"
+  line=$(grep -E '^=*\s*([0-9]+ (passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)|no tests ran)' \
+         "$tmp" | tail -1 | sed -E 's/^=+ //; s/ =+$//')
+  case $rc in
+    0) if [[ "$line" == *passed* ]]; then REPLY="ok: $line"; else REPLY="NOTHING PASSED: $line"; fi ;;
+    124|137) REPLY="TIMEOUT after ${cap}s cap: ${line:-no summary}" ;;
+    125) REPLY="skipped (time)" ;;
+    5) REPLY="no tests collected" ;;
+    *) REPLY="FAILED (rc $rc): ${line:-no summary}"
+       grep -E '^(FAILED|ERROR) ' "$tmp" | head -15 ;;
+  esac
+  rm -f "$tmp"
+  say "pytest $name: $REPLY"
+}
+if ((want_cpu)); then pytest_part cpu 180 tests --ignore=tests/gpu; st_cpu=$REPLY; fi
+if ((want_gpu)); then
+  junit=()
+  [[ "${JUNIT:-0}" == "1" ]] && junit=(--junitxml="$OUT/pytest_gpu.xml")
+  pytest_part gpu "${GPU_CAP:-420}" tests/gpu --ignore=tests/gpu/test_fuzz_gpu.py "${junit[@]}"; st_gpu=$REPLY
+fi
+if ((want_fuzz)); then pytest_part fuzz "${FUZZ_CAP:-540}" -s tests/gpu/test_fuzz_gpu.py; st_fuzz=$REPLY; fi
+
+# ------------------------------------------------------------ doctor
+if ((want_doctor)); then
+  say "doctor: python -m openwam_sdpa doctor"
+  (cd /tmp && run_limited 120 "$OUT/doctor.txt" "$PY" -m openwam_sdpa doctor)
+  rc=$?
+  # Exit 0 (not affected) and 1 (affected, openwam_sdpa fixes it) are both a
+  # working doctor; 3 means openwam_sdpa itself gave non-finite gradients.
+  case $rc in
+    0|1) st_doctor="ok (exit $rc): $(grep '^verdict:' "$OUT/doctor.txt" | cut -c10-120)" ;;
+    *) st_doctor="FAILED (exit $rc): $(tail -1 "$OUT/doctor.txt" | cut -c1-120)" ;;
+  esac
+  say "doctor: $st_doctor"
+fi
+
+# ------------------------------------------------------------ sweep, PyTorch's tests
+# script_part NAME CAP LOG CMD...: one script with a time cap; sets REPLY.
+script_part() {
+  local name=$1 cap=$2 log=$3 rc; shift 3
+  section "$TESTS_LOG" "$name: $*"
+  say "$name: $*"
+  run_limited "$cap" "$log" "$@"
+  rc=$?
+  case $rc in
+    0) REPLY="ok" ;;
+    124|137) REPLY="TIMEOUT after ${cap}s" ;;
+    125) REPLY="skipped (time)" ;;
+    *) REPLY="FAILED (rc $rc)" ;;
+  esac
+  say "$name: $REPLY"
+}
+if ((want_sweep)); then
+  mkdir -p "$OUT/sweep"
+  script_part sweep 180 "$TESTS_LOG" "$PY" tools/sweep_single_query_row.py --out "$OUT/sweep"
+  st_sweep=$REPLY
+fi
+if ((want_pytorch)); then
+  mkdir -p "$OUT/pt"
+  script_part pytorch 360 "$TESTS_LOG" "$PY" tools/pytorch_sdpa_tests.py --device cuda --out "$OUT/pt" ${PT_ARGS:-}
+  st_pytorch=$REPLY
+fi
+if ((want_host)); then
+  script_part host 300 "$TESTS_LOG" "$PY" benchmarks/bench_host.py --out "$OUT/host"
+  st_host=$REPLY
+fi
+
+# Only the repair kernel is instrumented (kns: a substring of its name): the
+# forward's cuDNN kernels run at full speed. A reported error exits 3.
+if ((want_sanitize)); then
+  bad=()
+  for tool in racecheck memcheck synccheck; do
+    script_part "sanitize $tool" 150 "$OUT/sanitize.txt" compute-sanitizer --tool "$tool" \
+      --kernel-name kns=repair_kernel --error-exitcode 3 "$PY" tools/repair_kernel_cases.py --cases small
+    [[ "$REPLY" == ok ]] || bad+=("$tool: $REPLY")
+  done
+  if ((${#bad[@]})); then st_sanitize="FAILED: ${bad[*]}"; else st_sanitize="ok (racecheck, memcheck, synccheck)"; fi
+fi
+# --clock-control none: the clocks stay as they are (device README, METHOD.md).
+if ((want_profile)); then
+  if ! command -v ncu >/dev/null; then  # Nsight Compute's own folder, where PATH lacks it
+    ncu_dir=$(compgen -G "/opt/nvidia/nsight-compute/*/ncu" | tail -1)
+    [[ -n "$ncu_dir" ]] && PATH=$PATH:$(dirname "$ncu_dir")
+  fi
+  script_part profile 240 "$OUT/ncu.txt" ncu --clock-control none --kernel-name regex:repair_kernel \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+    --section WarpStateStats --section SchedulerStats --section LaunchStats --csv --page details \
+    "$PY" tools/repair_kernel_cases.py --cases bench
+  details=$REPLY
+  # Where the warps of one case stall, per SASS instruction (sampled).
+  script_part "profile source" 120 "$OUT/ncu_source.csv" ncu --clock-control none \
+    --kernel-name regex:repair_kernel --section WarpStateStats --section SourceCounters \
+    --csv --page source --print-source sass \
+    "$PY" tools/repair_kernel_cases.py --cases bench --match "${PROFILE_MATCH:-32x24x360x64 one_per_head}"
+  if [[ "$details" == ok && "$REPLY" == ok ]]; then
+    st_profile="ok (details, source)"
+  else
+    st_profile="FAILED: details $details, source $REPLY"
+  fi
+fi
+
+# ------------------------------------------------------------ benchmark
+if ((want_bench)); then
+  if [[ -f benchmarks/bench_sdpa.py ]]; then
+    mkdir -p "$OUT/bench"
+    section "$TESTS_LOG" "bench: python benchmarks/bench_sdpa.py --out $OUT/bench ${BENCH_ARGS:-}"
+    say "bench: running (log in tests.log)"
+    # shellcheck disable=SC2086
+    run_limited 480 "$TESTS_LOG" "$PY" benchmarks/bench_sdpa.py --out "$OUT/bench" ${BENCH_ARGS:-}
+    rc=$?
+    produced=$(ls "$OUT/bench" 2>/dev/null | tr '\n' ' ')
+    case $rc in
+      0) st_bench="ok: ${produced:-NOTHING WRITTEN}" ;;
+      124|137) st_bench="TIMEOUT: ${produced:-nothing written}" ;;
+      125) st_bench="skipped (time)" ;;
+      *) st_bench="FAILED (rc $rc): ${produced:-nothing written}" ;;
+    esac
+  else
+    st_bench="no benchmarks/bench_sdpa.py"
+  fi
+  say "bench: $st_bench"
+fi
+
+# ------------------------------------------------------------ summary (last)
+nfiles=$(find "$OUT" -type f | wc -l)
+echo
+echo "==================== device_run summary ($((SECONDS - T0))s) ===================="
+printf '%-7s %s\n' build "$st_build" ctest "$st_ctest" cpu "$st_cpu" gpu "$st_gpu" fuzz "$st_fuzz" doctor "$st_doctor" \
+  sweep "$st_sweep" pytorch "$st_pytorch" bench "$st_bench" host "$st_host" \
+  sanitize "$st_sanitize" profile "$st_profile"
+printf '%-7s %s\n' files "$nfiles under $OUT"
+fail=0
+for s in "$st_build" "$st_ctest" "$st_cpu" "$st_gpu" "$st_fuzz" "$st_doctor" "$st_sweep" "$st_pytorch" "$st_bench" \
+         "$st_host" "$st_sanitize" "$st_profile"; do
+  [[ "$s" == "-" || "$s" == ok* || "$s" == "no benchmarks"* ]] || fail=1
+done
+exit $fail
