@@ -134,7 +134,8 @@ const std::vector<GuardRule>& table() {
        "sequence (read in its source); unverified on every stack",
        "sdpa_varlen runs the call on FlashAttention-2 varlen (or its "
        "block-diagonal fallback); OPENWAM_SDPA_VARLEN=cudnn overrides",
-       "this project's probes (torch 2.7; torch 2.11 / cuDNN 9.19 nested tensors); "
+       "conservative: not measured by this project (its probes on torch 2.7 and, "
+       "through nested tensors, torch 2.11 / cuDNN 9.19 compared no values); "
        "related: TransformerEngine #3249 (a ragged backward read its stats as dense, "
        "fixed in cuDNN 9.26)"},
   };
