@@ -181,6 +181,25 @@ def test_op_parses_as_torch_ops_aten_sdpa(arg, value):
     assert_same(first_line(got), first_line(aten), "torch.ops.openwam.sdpa")
 
 
+def test_scalar_arguments_under_compile(ow):
+    """torch.compile traces the Python entry: accepted values convert as in
+    eager, refused ones raise F.sdpa's TypeError as F.sdpa does compiled."""
+    def ours(q, k, v, **kw):
+        return ow.sdpa(q, k, v, **kw)
+
+    def stock(q, k, v, **kw):
+        return F_SDPA(q, k, v, **kw)
+
+    q, k, v = q_(), k_(), v_()
+    accepted = {"dropout_p": 0, "is_causal": True, "scale": 1}
+    got = torch.compile(ours, backend="aot_eager", fullgraph=True)(q, k, v, **accepted)
+    torch.testing.assert_close(got, F_SDPA(q, k, v, **accepted), atol=0, rtol=0)
+    for refused in ({"is_causal": None}, {"dropout_p": "1"}):
+        expected = outcome(torch.compile(stock, backend="aot_eager"), q, k, v, **refused)
+        assert expected[0] is TypeError
+        assert outcome(torch.compile(ours, backend="aot_eager"), q, k, v, **refused) == expected
+
+
 # --------------------------------------------------------------------------
 # No error message prints a tensor's data
 # --------------------------------------------------------------------------
