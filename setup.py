@@ -143,7 +143,7 @@ ext_kwargs = dict(
 )
 
 if with_cuda:
-    sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+    sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "**", "*.cu"), recursive=True))
     define_macros.append(("OPENWAM_WITH_CUDA", None))
     # define_macros reach nvcc too; -lineinfo only maps SASS to source lines
     # for ncu / compute-sanitizer and does not change the generated code.

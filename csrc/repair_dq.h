@@ -27,7 +27,7 @@ namespace openwam {
 // accurate as a flash backward), only slower.
 constexpr float kRepairLseThreshold = -40.0f;
 
-// The CUDA repair (csrc/cuda/repair_dq.cu; CUDA builds only), on the current
+// The CUDA repair (csrc/cuda/repair/repair_dq.cu; CUDA builds only), on the current
 // stream. Tensors 4-D [B, H, S, D], any strides but a contiguous last dim;
 // key/value may have fewer heads (GQA: head h reads kv head h / (H / Hkv));
 // D a multiple of 8 up to 256, the same for query, key and value; `bias`

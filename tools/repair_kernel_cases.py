@@ -66,7 +66,7 @@ SMALL = [
     Case(1, 2, 130, 192, 128, "one_per_head", dtype=torch.float16, mask=True),
     Case(1, 2, 130, 704, 64, 0.1, dtype=torch.float16, causal=True, layout="bshd"),
     # Keys long enough to split a narrow tile across a cluster (distributed
-    # shared memory: kSplitMinKeyBlocks in csrc/cuda/repair_dq_layout.cuh).
+    # shared memory: kSplitMinKeyBlocks in csrc/cuda/repair/layout.cuh).
     Case(1, 4, 130, 1600, 128, "one_per_head"),
     Case(1, 2, 130, 1600, 64, "one_per_head", mask=True, layout="bshd"),
 ]

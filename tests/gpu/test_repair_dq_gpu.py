@@ -1,5 +1,5 @@
 """The dQ-row repair kernel on its own (torch.ops.openwam._repair_dq_,
-csrc/cuda/repair_dq*), and its telemetry through openwam_sdpa.repaired_rows().
+csrc/cuda/repair/), and its telemetry through openwam_sdpa.repaired_rows().
 
 Inputs come from openwam_sdpa.adversarial (rows with a logsumexp far below
 the repair threshold). The repair is fed the float64 reference's output and
@@ -98,7 +98,7 @@ CASES = (
         Case(dtype="fp16", s_kv=192, rows="all", layout="bshd", bias="key"),
         Case(s_q=70, s_kv=77, D=72, rows=0.1, layout="padded", bias="full", masked_rows=(3,)),
         # Keys long enough that a head's narrow tile is split across a
-        # cluster of two blocks (kSplitMinKeyBlocks, csrc/cuda/repair_dq_layout.cuh),
+        # cluster of two blocks (kSplitMinKeyBlocks, csrc/cuda/repair/layout.cuh),
         # at each head_dim width; fp16 keeps whole tiles, taken in turn.
         Case(s_kv=1600, rows="one_per_head"),
         Case(s_kv=1600, rows="one_per_head", D=64, layout="bshd", bias="key"),

@@ -1,4 +1,4 @@
-// The row scan's parameters as repair_dq.cu sets them, for the emulation
+// The row scan's parameters as repair/repair_dq.cu sets them, for the emulation
 // tests (one set-up for all of them).
 #pragma once
 
@@ -6,8 +6,8 @@
 
 #include <cstdint>
 
-#include "cuda/repair_dq_scan.cuh"
-#include "cuda/repair_dq_tile.cuh"
+#include "cuda/repair/scan.cuh"
+#include "cuda/repair/tile.cuh"
 
 namespace openwam {
 namespace repair {

@@ -19,8 +19,8 @@
 #include <random>
 #include <vector>
 
-#include "cuda/repair_dq_layout.cuh"
-#include "cuda/repair_dq_tile.cuh"
+#include "cuda/repair/layout.cuh"
+#include "cuda/repair/tile.cuh"
 #include "scan_params.h"
 
 using namespace openwam::repair;

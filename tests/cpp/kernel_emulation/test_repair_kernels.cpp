@@ -1,4 +1,4 @@
-// The dQ-row repair's kernels (csrc/cuda/repair_dq_{scan,tile}*.cuh), their
+// The dQ-row repair's kernels (csrc/cuda/repair/{scan,tile}*.cuh), their
 // real source, run on the CPU through simt_emu.h and checked against a
 // float64 reference: rows below the threshold recomputed, -inf rows zeroed,
 // other rows bit-identical, the telemetry count, no bank conflict in any
@@ -6,8 +6,8 @@
 // (shows a missing wait) and landing at once with warps drifting apart
 // (shows a stage refilled before every warp is done with it); each tile of
 // work recomputed exactly once (OPENWAM_REPAIR_TRACE_TILE). Also the pure
-// index math of repair_dq_layout.cuh (every tile of work to exactly one
-// block, over all small grids), and the row walk of repair_dq_scan.cuh alone.
+// index math of repair/layout.cuh (every tile of work to exactly one
+// block, over all small grids), and the row walk of repair/scan.cuh alone.
 // No GPU, no libtorch needed.
 #include "simt_emu.h"  // first: it stands in for the CUDA features
 
@@ -21,9 +21,9 @@
 #include <set>
 #include <string>
 
-#include "cuda/repair_dq_layout.cuh"
-#include "cuda/repair_dq_scan.cuh"
-#include "cuda/repair_dq_tile.cuh"
+#include "cuda/repair/layout.cuh"
+#include "cuda/repair/scan.cuh"
+#include "cuda/repair/tile.cuh"
 #include "scan_params.h"
 
 using namespace openwam::repair;
@@ -334,7 +334,7 @@ void run_case(const Case<Elt>& c, bool wgmma) {
   }
   const Tensor4 dq_before = dq;
 
-  // ---- the kernels, parameters as repair_dq.cu sets them
+  // ---- the kernels, parameters as repair/repair_dq.cu sets them
   const int64_t heads = static_cast<int64_t>(B) * H;
   unsigned long long counter = 5;
   auto st = [](const Tensor4& t) { return RowStrides{t.stride[0], t.stride[1], t.stride[2]}; };
@@ -782,7 +782,7 @@ void work_placement_checks() {
 }
 
 // ---------------------------------------------------------------- row walk
-// walk_rows (repair_dq_scan.cuh) alone, in one emulated block, on a synthetic
+// walk_rows (repair/scan.cuh) alone, in one emulated block, on a synthetic
 // logsumexp of 3 heads x 1300 rows (walk rounds of 512: two full, one of
 // 276): head 0 with affected rows at the round edges and at random, and
 // among them -inf rows, NaN rows (left alone), +inf rows and rows exactly at

@@ -1,4 +1,4 @@
-// Moving the tile phase's operands into shared memory (repair_dq_tile.cuh).
+// Moving the tile phase's operands into shared memory (tile.cuh).
 //
 // Q and dO rows are gathered by index, K and V rows are consecutive keys,
 // the bias tile is the listed rows' bias for one key block. Rows 16-byte
@@ -9,9 +9,9 @@
 
 #include <cstdint>
 
-#include "repair_dq_layout.cuh"
+#include "layout.cuh"
 #ifndef OPENWAM_REPAIR_EMULATE  // the CPU emulation of the tests brings its own
-#include "repair_dq_ptx.cuh"
+#include "ptx.cuh"
 #endif
 
 namespace openwam {

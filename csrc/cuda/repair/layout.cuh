@@ -152,7 +152,7 @@ OPENWAM_HD int ldsm_bt_chunk(int lane) { return lane >> 4; }
 // length, each holding its share of every head's work (one to three heads
 // per block at the share table's shapes, more where heads are short: at
 // least 5 at 64x32x32x200). The probe reads a run's logsumexp once; a head
-// with rows is read again by its count walk (repair_dq_scan.cuh).
+// with rows is read again by its count walk (scan.cuh).
 OPENWAM_HD int64_t item_head(int64_t item, int64_t tiles_per_head) { return item / tiles_per_head; }
 OPENWAM_HD int64_t item_tile(int64_t item, int64_t tiles_per_head) { return item % tiles_per_head; }
 

@@ -1,4 +1,4 @@
-// The warp-level math of the tile phase (repair_dq_tile.cuh): one warp,
+// The warp-level math of the tile phase (tile.cuh): one warp,
 // 16 query rows, 8 kNT keys of a key block, on mma.sync m16n8k16 with fp32
 // accumulators:
 //   S = Q K^T, P = exp2(S scale log2e + bias log2e - lse log2e),
@@ -12,9 +12,9 @@
 
 #include <cstdint>
 
-#include "repair_dq_layout.cuh"
+#include "layout.cuh"
 #ifndef OPENWAM_REPAIR_EMULATE  // the CPU emulation of the tests brings its own
-#include "repair_dq_ptx.cuh"
+#include "ptx.cuh"
 #endif
 
 namespace openwam {

@@ -1,5 +1,5 @@
-// The fp16 kernels of the dQ-row repair (see repair_dq_tile_launch.cuh).
-#include "repair_dq_tile_launch.cuh"
+// The fp16 kernels of the dQ-row repair (see launch.cuh).
+#include "launch.cuh"
 
 namespace openwam {
 namespace repair {

@@ -19,7 +19,7 @@ namespace repair {
 
 // The block's dynamic shared memory (one declaration for every kernel).
 // 1024-byte aligned: the tiles' 128-byte swizzle is the wgmma descriptors'
-// only when bits 7-9 of a tile's address are 0 (repair_dq_layout.cuh).
+// only when bits 7-9 of a tile's address are 0 (layout.cuh).
 __device__ __forceinline__ unsigned char* smem_base() {
   extern __shared__ __align__(1024) unsigned char openwam_repair_smem[];
   return openwam_repair_smem;
@@ -66,7 +66,7 @@ __device__ __forceinline__ void cp_async_wait() {
 
 // ---------------------------------------------------------------- clusters
 // The blocks of a thread-block cluster (sm_90) that share a split tile
-// (repair_dq_layout.cuh, split_tile): a barrier across them, and the
+// (layout.cuh, split_tile): a barrier across them, and the
 // address of a shared-memory location of this block in another block of the
 // cluster (a generic address into distributed shared memory).
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
@@ -335,7 +335,7 @@ struct Bf16 {
 };
 
 struct Fp16 {
-  // dQ as if the keys were centred (repair_dq_tile.cuh, "Centred keys"):
+  // dQ as if the keys were centred (tile.cuh, "Centred keys"):
   // fp16's own rounding is 8x finer than bf16's, so the amplified dS errors
   // stand out against fp16 stock kernels.
   static constexpr bool kCenterKeys = true;

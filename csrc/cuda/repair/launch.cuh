@@ -1,9 +1,9 @@
 // The repair kernel and its launch, for one element type. Each type's
-// kernels compile in their own file (repair_dq_tile_bf16.cu,
-// repair_dq_tile_fp16.cu) so that the two build in parallel.
+// kernels compile in their own file (kernel_bf16.cu, kernel_fp16.cu) so
+// that the two build in parallel.
 //
 // One launch, no workspace: each block finds the rows of its own tiles
-// (repair_dq_scan.cuh) and recomputes them (repair_dq_tile.cuh). A kernel
+// (scan.cuh) and recomputes them (tile.cuh). A kernel
 // launch costs the host about 4 us inside a backward, most of the 5 us a
 // call may add (the host-time budget): with a scan kernel and a tile kernel the repair
 // added 8.6 us to a backward, 1.0 us without their launches (H200 host,
@@ -25,14 +25,14 @@
 #include <bitset>
 #include <mutex>
 
-#include "repair_dq_layout.cuh"
-#include "repair_dq_scan.cuh"
-#include "repair_dq_tile.cuh"
+#include "layout.cuh"
+#include "scan.cuh"
+#include "tile.cuh"
 
 namespace openwam {
 namespace repair {
 
-// Defined in repair_dq_tile_bf16.cu and repair_dq_tile_fp16.cu.
+// Defined in kernel_bf16.cu and kernel_fp16.cu.
 void launch_repair_bf16(const ScanParams& scan, const TileParams& tiles, int device,
                         cudaStream_t stream, bool behind_backward);
 void launch_repair_fp16(const ScanParams& scan, const TileParams& tiles, int device,

@@ -28,9 +28,9 @@
 #include <cmath>
 #include <cstdint>
 
-#include "repair_dq_layout.cuh"
+#include "layout.cuh"
 #ifndef OPENWAM_REPAIR_EMULATE  // the CPU emulation of the tests brings its own
-#include "repair_dq_ptx.cuh"
+#include "ptx.cuh"
 #endif
 
 // For the CPU emulation tests: they fail a misaligned vector load.

@@ -6,9 +6,9 @@
 // the dQ half of a FlashAttention-2 backward with the softmax statistics
 // given. A tile is up to 64 listed rows of one head (rows gathered by index,
 // so 10% of rows cost about 10% of a full dQ pass, not all of it), walked
-// over key blocks of 64 on tensor cores (repair_dq_tile_warp.cuh), K and V
+// over key blocks of 64 on tensor cores (tile_warp.cuh), K and V
 // (and the bias tile) streaming through a 2- or 3-stage cp.async pipeline
-// (repair_dq_tile_load.cuh, tile_stages). Each warp owns 16 rows; a tile of
+// (tile_load.cuh, tile_stages). Each warp owns 16 rows; a tile of
 // at most 16 rows ("narrow": one affected row per head) has all 4 warps on
 // the same rows, each taking 16 keys of a block; at the end each warp sums
 // the 4 partial dQ of a quarter of the columns. A narrow tile moves only its
@@ -22,11 +22,11 @@
 //
 // Work: the grid is persistent (see tile_grid_size). The (head, tile) items,
 // head-major, are cut into one contiguous run per block, or per cluster of
-// two blocks on sm_90 (kCluster: launch_cluster, repair_dq_layout.cuh). A
+// two blocks on sm_90 (kCluster: launch_cluster, layout.cuh). A
 // block first probes the logsumexp of its run's heads at once (the first
 // kProbeHeads of them; probe_heads); for each head with a row to act on it
 // counts the head's
-// affected rows (repair_dq_scan.cuh) and recomputes those of its tiles that
+// affected rows (scan.cuh) and recomputes those of its tiles that
 // have rows, gathering each tile's rows into shared memory first. In a
 // cluster both blocks count every head of the run and take its tiles in
 // turn, except a long narrow tile, which they split by keys and sum through
@@ -58,12 +58,12 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "repair_dq_layout.cuh"
-#include "repair_dq_scan.cuh"
-#include "repair_dq_tile_load.cuh"
-#include "repair_dq_tile_warp.cuh"
+#include "layout.cuh"
+#include "scan.cuh"
+#include "tile_load.cuh"
+#include "tile_warp.cuh"
 #ifndef OPENWAM_REPAIR_EMULATE  // the CPU emulation of the tests brings its own
-#include "repair_dq_ptx.cuh"
+#include "ptx.cuh"
 #endif
 
 // For the CPU emulation tests: they record each tile of work a block recomputes.
@@ -175,7 +175,7 @@ __device__ __forceinline__ int tile_key_blocks(const TileParams& p, int last_row
 // the head at `pos`. All threads of the block call it. kWgmma: wide tiles on
 // wgmma (warpgroup_scores_to_ds, warpgroup_ds_k) instead of mma.sync.
 // kCluster: the kernel runs in clusters of kClusterBlocks (see
-// repair_dq_layout.cuh), and split_rank >= 0 marks a narrow tile split
+// layout.cuh), and split_rank >= 0 marks a narrow tile split
 // across the cluster (split_tile), this block's rank in it: the block walks
 // its share of the key blocks (split_keys), and the cluster's first block
 // writes the rows. The epilogue reads it again from hdr.run (held in a

@@ -1,13 +1,13 @@
 // Host side of the dQ-row repair (repair_dq.h): checks, and the one launch
-// of repair_dq_rows (openwam::_repair_dq_ calls it: repair_dq.cpp).
+// of repair_dq_rows (openwam::_repair_dq_ calls it: csrc/repair_dq.cpp).
 //
-// repair_kernel (repair_dq_tile_launch.cuh, instantiated in
-// repair_dq_tile_{bf16,fp16}.cu) is a persistent grid whose blocks (on
+// repair_kernel (launch.cuh, instantiated in kernel_{bf16,fp16}.cu) is
+// a persistent grid whose blocks (on
 // sm_90, clusters of two blocks: launch_cluster) each take a run of (head,
 // tile) items: the block probes the logsumexp of the run's heads, then for
 // each head with rows, zeros the -inf rows (the head's owner), counts the rows
-// below the threshold (repair_dq_scan.cuh), then recomputes those of its
-// tiles, 64 rows at a time, on tensor cores (repair_dq_tile.cuh). Which rows
+// below the threshold (scan.cuh), then recomputes those of its
+// tiles, 64 rows at a time, on tensor cores (tile.cuh). Which rows
 // need work is known only on the GPU; the host never waits for it, so the op
 // stays capturable in a CUDA graph. No workspace: nothing is allocated,
 // nothing cleared.
@@ -19,9 +19,9 @@
 #include <cstdint>
 #include <limits>
 
-#include "../repair_dq.h"
-#include "repair_dq_layout.cuh"
-#include "repair_dq_tile_launch.cuh"
+#include "../../repair_dq.h"
+#include "layout.cuh"
+#include "launch.cuh"
 
 namespace openwam {
 namespace {
