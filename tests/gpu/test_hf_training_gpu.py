@@ -5,7 +5,7 @@ Left padding alone trips cuDNN's key-tail defect: the padding's query rows
 see no key, stock cuDNN turns the bool mask into -65504, their logsumexp
 lands near -65504, and at an affected key length (s % 128 == 64 on cuDNN
 9.19.0: s = 704) their dQ rows turn NaN in the first backward (measured on
-the H200, 2026-11-30: BENCHMARKS.md, the model benchmark). So:
+the H200: docs/performance.md, the model benchmark). So:
 
 * stock "sdpa" gives non-finite gradients where the guard table's measured
   rule marks the key length affected and PyTorch picks cuDNN (asserted
