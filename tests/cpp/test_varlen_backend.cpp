@@ -98,7 +98,7 @@ TEST_CASE("varlen: OPENWAM_SDPA_VARLEN=cudnn overrides the unmeasured ragged row
         VarlenBackend::kBlockDiagonal);
 }
 
-TEST_CASE("varlen: flash never picks cuDNN; an empty input takes the fallback", "[varlen]") {
+TEST_CASE("varlen: flash never picks cuDNN, and an empty input takes the fallback", "[varlen]") {
   const VarlenDecision d =
       Packed(at::kBFloat16, 128, 128, false).decide(VarlenPreference::kFlash, cuda_stack());
   CHECK(d.backend == VarlenBackend::kBlockDiagonal);
