@@ -10,6 +10,7 @@
 #include <memory>
 #include <type_traits>
 
+#include "autograd_node.h"
 #include "cudnn_attention.h"
 #include "ops.h"
 
@@ -19,27 +20,6 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
-
-// torch 2.11 holds autograd nodes in std::shared_ptr, later releases in
-// c10::intrusive_ptr: these two helpers make and re-own a node either way.
-// (Templates on N so that only the matching branch is compiled.)
-using NodePtr = decltype(torch::autograd::Edge::function);
-
-template <typename Ptr, typename N>
-struct NodeOwnership;
-template <typename N>
-struct NodeOwnership<std::shared_ptr<Node>, N> {
-  template <typename T>
-  static NodePtr make() { return std::make_shared<T>(); }
-  static NodePtr self(N* node) { return node->shared_from_this(); }
-};
-template <typename N>
-struct NodeOwnership<c10::intrusive_ptr<Node>, N> {
-  template <typename T>
-  static NodePtr make() { return c10::make_intrusive<T>(); }
-  static NodePtr self(N* node) { return c10::intrusive_ptr<Node>::reclaim_copy(node); }
-};
-using Ownership = NodeOwnership<NodePtr, Node>;
 
 // The backward of openwam::_cudnn_sdpa: calls openwam::_cudnn_sdpa_backward
 // through the dispatcher, so that torch.compile records it as one op of the

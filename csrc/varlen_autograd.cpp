@@ -12,6 +12,7 @@
 
 #include <memory>
 
+#include "autograd_node.h"
 #include "varlen_ops.h"
 
 namespace openwam {
@@ -20,26 +21,6 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
-
-// torch 2.11 holds autograd nodes in std::shared_ptr, later releases in
-// c10::intrusive_ptr (the same helper as cudnn_path.cpp's).
-using NodePtr = decltype(torch::autograd::Edge::function);
-
-template <typename Ptr, typename N>
-struct NodeOwnership;
-template <typename N>
-struct NodeOwnership<std::shared_ptr<Node>, N> {
-  template <typename T>
-  static NodePtr make() { return std::make_shared<T>(); }
-  static NodePtr self(N* node) { return node->shared_from_this(); }
-};
-template <typename N>
-struct NodeOwnership<c10::intrusive_ptr<Node>, N> {
-  template <typename T>
-  static NodePtr make() { return c10::make_intrusive<T>(); }
-  static NodePtr self(N* node) { return c10::intrusive_ptr<Node>::reclaim_copy(node); }
-};
-using Ownership = NodeOwnership<NodePtr, Node>;
 
 struct SdpaVarlenBackward final : public Node {
   SavedVariable query, key, value, out, logsumexp, rng_state, rng_offset, cu_seqlens_q,
