@@ -69,7 +69,7 @@ const char* to_string(Route route) {
     case Route::kCudnn: return "cudnn";
     case Route::kPyTorch: return "pytorch";
     case Route::kPyTorchWithoutCudnn: return "pytorch_without_cudnn";
-    case Route::kMathForEmpty: return "math";
+    case Route::kMath: return "math";
   }
   TORCH_INTERNAL_ASSERT(false, "unknown Route");
 }
@@ -77,11 +77,20 @@ const char* to_string(Route route) {
 Decision decide(const SdpaCall& call, const Settings& settings, const Stack& stack) {
   if (batched(call)) {
     // The cuDNN path's ops have no batching rule (vmap would loop per sample,
-    // and warn); F.sdpa batches itself. cuDNN off where another backend may
-    // serve: a gradient taken through the vmap would otherwise meet stock
-    // cuDNN's backward, and requires_grad does not show through the batching.
-    const bool cudnn_off = stack.cudnn_unavailable == nullptr && stack.cudnn_sdp_enabled &&
-                           stack.other_sdp_enabled;
+    // and warn); F.sdpa batches itself, and requires_grad does not show
+    // through the batching. On CUDA, torch 2.11's fused backwards under vmap
+    // are wrong: cuDNN's dQ/dK/dV (normalized error 1.0, NaN in dV when
+    // causal) and efficient attention's causal backward raises ("LSE is not
+    // correctly aligned"); measured on the H200. PyTorch's math backend
+    // decomposes into batched matmuls and is right. Dropout keeps PyTorch's
+    // own route (its randomness rules under vmap are the user's contract).
+    if (stack.cuda_device && stack.math_sdp_enabled && call.dropout_p == 0.0) {
+      return routed(Route::kMath,
+                    "inputs batched by torch.func.vmap on CUDA: PyTorch's math backend "
+                    "(stock's fused backwards are wrong under vmap)");
+    }
+    const bool cudnn_off = stack.cuda_device && stack.cudnn_unavailable == nullptr &&
+                           stack.cudnn_sdp_enabled && stack.other_sdp_enabled;
     return cudnn_off ? routed(Route::kPyTorchWithoutCudnn,
                               "inputs batched by torch.func.vmap; cuDNN switched off")
                      : routed(Route::kPyTorch, "inputs batched by torch.func.vmap");
@@ -94,7 +103,7 @@ Decision decide(const SdpaCall& call, const Settings& settings, const Stack& sta
     const bool math_serves = call.query.device().is_cpu() && stack.math_sdp_enabled &&
                              passes_pytorch_validation(call);
     return math_serves
-               ? routed(Route::kMathForEmpty, "an empty CPU input: PyTorch's math backend")
+               ? routed(Route::kMath, "an empty CPU input: PyTorch's math backend")
                : routed(Route::kPyTorch, "an input is empty");
   }
   if (settings.cudnn == CudnnPreference::kNever) {
@@ -160,6 +169,7 @@ Decision decide(const SdpaCall& call, const Settings& settings, const Stack& sta
 Decision decide(const SdpaCall& call, const Settings& settings) {
   Stack stack;
   stack.cudnn_version = runtime_cudnn_version();
+  stack.cuda_device = call.query.is_cuda();
   stack.cudnn_unavailable = cudnn_unavailable(call.query);
   const auto& ctx = at::globalContext();
   stack.cudnn_sdp_enabled = ctx.userEnabledCuDNNSDP();

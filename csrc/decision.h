@@ -22,7 +22,7 @@ enum class Route {
   kCudnn,                // the guarded cuDNN path (cudnn_path.h)
   kPyTorch,              // at::scaled_dot_product_attention, untouched
   kPyTorchWithoutCudnn,  // the same with cuDNN switched off for the call
-  kMathForEmpty,         // PyTorch's math backend: an input is empty
+  kMath,                 // PyTorch's math backend: empty inputs, vmap on CUDA
 };
 
 const char* to_string(Route route);
@@ -39,6 +39,7 @@ struct Decision {
 // and the device, passed in so that a test can pose any stack.
 struct Stack {
   long cudnn_version = 0;                  // runtime cuDNN, e.g. 91900; 0: none
+  bool cuda_device = false;                // the inputs are on a CUDA device
   const char* cudnn_unavailable = nullptr; // why cuDNN cannot run here, or nullptr
   // PyTorch's backend switches (torch.backends.cuda.enable_*_sdp, sdpa_kernel).
   bool cudnn_sdp_enabled = true;

@@ -46,7 +46,7 @@ at::Tensor call_pytorch(const SdpaCall& c) {
 
 at::Tensor run_pytorch_path(const SdpaCall& call, const Decision& decision) {
   switch (decision.route) {
-    case Route::kMathForEmpty:
+    case Route::kMath:
       return std::get<0>(at::_scaled_dot_product_attention_math(
           call.query, call.key, call.value, call.attn_mask, call.dropout_p,
           call.is_causal, /*dropout_mask=*/std::nullopt, call.scale, call.enable_gqa));

@@ -35,6 +35,7 @@ int64_t backend(at::SDPBackend b) { return static_cast<int64_t>(b); }
 // A stack posed for decide(); counts how often PyTorch's selector is asked.
 struct PosedStack {
   long cudnn_version = k9_19_0;
+  bool cuda_device = true;
   const char* cudnn_unavailable = nullptr;
   bool cudnn_sdp_enabled = true;
   bool math_sdp_enabled = true;
@@ -49,6 +50,7 @@ struct PosedStack {
     };
     openwam::Stack stack;
     stack.cudnn_version = cudnn_version;
+    stack.cuda_device = cuda_device;
     stack.cudnn_unavailable = cudnn_unavailable;
     stack.cudnn_sdp_enabled = cudnn_sdp_enabled;
     stack.math_sdp_enabled = math_sdp_enabled;
@@ -83,7 +85,7 @@ TEST_CASE("decide: route names", "[decision]") {
   CHECK(std::string(openwam::to_string(Route::kPyTorch)) == "pytorch");
   CHECK(std::string(openwam::to_string(Route::kPyTorchWithoutCudnn)) ==
         "pytorch_without_cudnn");
-  CHECK(std::string(openwam::to_string(Route::kMathForEmpty)) == "math");
+  CHECK(std::string(openwam::to_string(Route::kMath)) == "math");
 }
 
 TEST_CASE("decide: following PyTorch, it picks cuDNN: the guarded cuDNN path",
@@ -180,7 +182,7 @@ TEST_CASE("decide: cuDNN unavailable on the device: PyTorch, not asked", "[decis
   }
 }
 
-TEST_CASE("decide: inputs batched by torch.func.vmap: PyTorch, cuDNN off, not asked",
+TEST_CASE("decide: inputs batched by torch.func.vmap: math on CUDA, else PyTorch, not asked",
           "[decision]") {
   // A BatchedTensorImpl, as torch.func.vmap hands the op its inputs.
   Inputs in = key_tail_call();
@@ -188,11 +190,20 @@ TEST_CASE("decide: inputs batched by torch.func.vmap: PyTorch, cuDNN off, not as
   for (const Settings& s : {kFollow, kPrefer, kNever}) {
     PosedStack stack;
     Decision d = stack.decide(in, s);
+    CHECK(d.route == Route::kMath);  // stock's fused CUDA backwards are wrong under vmap
+    CHECK_THAT(d.reason, Contains("torch.func.vmap"));
+    stack.math_sdp_enabled = false;  // the user switched math off: cuDNN off instead
+    d = stack.decide(in, s);
     CHECK(d.route == Route::kPyTorchWithoutCudnn);
     CHECK_THAT(d.reason, Contains("torch.func.vmap"));
     stack.other_sdp_enabled = false;  // cuDNN the only backend: the user's to have
     CHECK(stack.decide(in, s).route == Route::kPyTorch);
     stack.other_sdp_enabled = true;
+    stack.math_sdp_enabled = true;
+    in.dropout_p = 0.1;  // dropout keeps PyTorch's own randomness under vmap
+    CHECK(stack.decide(in, s).route == Route::kPyTorchWithoutCudnn);
+    in.dropout_p = 0.0;
+    stack.cuda_device = false;  // CPU: PyTorch's own batching, untouched
     stack.cudnn_unavailable = "inputs are not on a CUDA device";
     CHECK(stack.decide(in, s).route == Route::kPyTorch);
     CHECK(stack.calls == 0);
@@ -221,7 +232,7 @@ TEST_CASE("decide: empty CPU inputs go to PyTorch's math backend, whatever the s
       in.value = at::randn(shapes[1], openwam_test::kBF16).requires_grad_(true);
       PosedStack stack;
       const Decision d = stack.decide(in, s);
-      CHECK(d.route == Route::kMathForEmpty);
+      CHECK(d.route == Route::kMath);
       CHECK(stack.calls == 0);
       CHECK_THAT(std::string(d.reason), Contains("empty"));
       CHECK(d.plan.none());
