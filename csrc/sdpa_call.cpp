@@ -30,6 +30,12 @@ void check_call(const SdpaCall& c) {
   // (its bmm), but its fused CPU kernel (torch 2.13) takes the key length for
   // value's and reads past value's end, returning garbage.
   if (c.key.dim() < 2 || c.value.dim() < 2) return;  // PyTorch's rank error
+  // Nested key/value have no size along their ragged dimension (reading it
+  // raises); their lengths are PyTorch's to check.
+  const auto ragged = [](const at::Tensor& t) {
+    return t.is_nested() || t.layout() == c10::kJagged;
+  };
+  if (ragged(c.key) || ragged(c.value)) return;
   const c10::SymInt s_kv = c.key.sym_size(-2);
   const c10::SymInt s_v = c.value.sym_size(-2);
   const auto k = s_kv.maybe_as_int();

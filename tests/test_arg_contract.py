@@ -375,6 +375,31 @@ def test_key_value_length_mismatch_is_what_f_sdpa_misreads():
             F_SDPA(q, k, v)
 
 
+def nested_key_value_calls():
+    """Nested key and value (ragged sequence lengths) with a dense or a nested
+    query, as PyTorch's test_fused_kernels_nested_broadcasting_* build them."""
+    seq = (3, 5, 2)
+
+    def nested(lengths, heads=H):
+        return torch.nested.nested_tensor([torch.randn(n, heads, E) for n in lengths]).transpose(1, 2)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "nested tensors are a prototype feature"
+        return {"dense query": (torch.randn(1, 1, H, E).transpose(1, 2), nested(seq), nested(seq)),
+                "nested query": (nested((2, 2, 2)), nested(seq), nested(seq))}
+
+
+@pytest.mark.parametrize("case", ("dense query", "nested query"))
+def test_nested_key_value_as_f_sdpa(ow, case):
+    """The op's key/value length check reads no size of a nested tensor (its
+    ragged dimension has none): F.sdpa's outcome, its error included."""
+    args = nested_key_value_calls()[case]
+    expected = outcome(F_SDPA, *args)
+    for fn in (ow.sdpa, torch.ops.openwam.sdpa):
+        got = outcome(fn, *args)
+        assert got[0] == expected[0] and (got[0] == "ok" or got[1] == expected[1]), (got, expected)
+
+
 PRECEDENCE_CASES = {
     "dtype": lambda: (q_(), k_(dtype=torch.float32), v_(B, H, S - 1, E)),
     "device": lambda: (q_(), k_(), v_(B, H, S - 1, E).to("meta")),
