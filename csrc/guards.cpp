@@ -45,7 +45,9 @@ bool single_row_single_head_hits(const CallShape& s, long /*version*/) {
 // ---- The ragged layout (openwam::sdpa_varlen's cuDNN engine) ----
 // A ragged call's s_q and s_kv are its longest sequences; dense calls never
 // hit these rows.
-bool ragged_hits(const CallShape& s, long /*version*/) { return s.ragged; }
+bool ragged_measured_hits(const CallShape& s, long /*version*/) { return s.ragged; }
+
+bool ragged_hits(const CallShape& s, long version) { return s.ragged && version != k9_19_0; }
 
 const std::vector<GuardRule>& table() {
   static const std::vector<GuardRule> rules = {
@@ -115,27 +117,39 @@ const std::vector<GuardRule>& table() {
        "the backward runs with a second, zero query row",
        "cudnn-frontend #1072 (reported on 9.25.1.1 and 9.26.0.51, torch 2.15.0's "
        "pin); conservative: not measured by this project except on 9.19.0 (row above)"},
-      // ---- The ragged layout (openwam::sdpa_varlen's cuDNN engine),
-      // conservative: nobody has measured its values. A probe on torch 2.7
-      // gave wrong dQ and hung at s_q == 1; on torch 2.11 / cuDNN 9.19 jagged
-      // nested tensors gave finite dQ, values not compared. ATen's
+      // ---- The ragged layout (openwam::sdpa_varlen's cuDNN engine).
+      // Measured on 9.19.0 (torch 2.11.0+cu130, H200, tools/sweep_varlen_ragged.py):
+      // dQ wrong on all ten cells, ordinary ones too (normalized max error
+      // 2.6 and up); 93-186 ms per forward+backward where FlashAttention-2
+      // varlen takes 0.2-0.7 ms; a hang with one query per sequence. ATen's
       // _cudnn_attention_backward (attention_backward.cu) takes the longest
       // sequences from query.size(2) and key.size(2), which for the ragged
-      // [total, heads, head_dim] layout are head_dim, not max_q/max_k. The
-      // sweep in tests/gpu/test_varlen_gpu.py records what a stack does.
-      {"ragged_unverified",
+      // [total, heads, head_dim] layout are head_dim, not max_q/max_k.
+      {"ragged_wrong_9.19",
+       {k9_19_0, k9_19_0 + 1},
+       {k9_19_0, k9_19_0 + 1},
+       &ragged_measured_hits,
+       Fix::kAvoidCudnn,
+       "9.19.0",
+       "cuDNN's ragged layout through ATen gave wrong dQ on every swept call, "
+       "took 93-186 ms per forward+backward and hung with one query per sequence",
+       "sdpa_varlen runs the call on FlashAttention-2 varlen (or its "
+       "block-diagonal fallback), whatever OPENWAM_SDPA_VARLEN says",
+       "this project's H200 sweep (torch 2.11.0+cu130); ATen's backward sizes its "
+       "ragged graph by head_dim instead of the longest sequence (read in its source)"},
+      // Every other version: not measured, so treated as 9.19.0 was found.
+      {"ragged_wrong",
        {0, kAfterNewest},
        {},
        &ragged_hits,
        Fix::kAvoidCudnn,
-       "every version (not measured)",
-       "cuDNN's ragged layout gave wrong dQ and hung at s_q == 1 (torch 2.7 probe); "
-       "ATen's backward sizes its ragged graph by head_dim instead of the longest "
-       "sequence (read in its source); unverified on every stack",
+       "every version other than 9.19.0",
+       "cuDNN's ragged layout gave wrong dQ and hung at s_q == 1 (torch 2.7 probe; "
+       "measured wrong on 9.19.0, row above); ATen's backward sizes its ragged graph "
+       "by head_dim instead of the longest sequence (read in its source)",
        "sdpa_varlen runs the call on FlashAttention-2 varlen (or its "
        "block-diagonal fallback); OPENWAM_SDPA_VARLEN=cudnn overrides",
-       "conservative: not measured by this project (its probes on torch 2.7 and, "
-       "through nested tensors, torch 2.11 / cuDNN 9.19 compared no values); "
+       "conservative: not measured by this project except on 9.19.0 (row above); "
        "related: TransformerEngine #3249 (a ragged backward read its stats as dense, "
        "fixed in cuDNN 9.26)"},
   };

@@ -7,8 +7,11 @@ backward through sdpa_varlen's leaf op (no guard row in the way), and
 records the non-finite counts of out, dQ, dK and dV, their max errors against
 F.sdpa on each sequence alone in float64, the same errors of stock F.sdpa on
 the padded batch (efficient attention, and cuDNN with its NaN counted), and
-the time of one forward+backward. The guard row `ragged_unverified`
-(csrc/guards.cpp) is to be filled from it.
+the time of one forward+backward. The guard rows `ragged_wrong_9.19`
+(measured with it) and `ragged_wrong` (csrc/guards.cpp) come from it. The
+leaf runs outside the op's decision: FlashAttention-2's causal cells with
+s_q != s_k show its bottom-right alignment, which sdpa_varlen never uses
+(those calls take the block-diagonal fallback).
 
     python tools/sweep_varlen_ragged.py [--engines cudnn,flash] [--cells a,b] [--out DIR]
 
@@ -101,9 +104,20 @@ def _grads(out, p: Packed) -> Attn:
     return Attn(out.detach(), *(g if g is not None else zz for g, zz in zip((dq, dk, dv), z)))
 
 
-def reference(p: Packed, is_causal=False) -> Attn:
-    """F.sdpa (math, float64) on each sequence alone."""
-    qd, kd, vd = (t.detach().double().requires_grad_() for t in (p.q, p.k, p.v))
+def reference(p: Packed, is_causal=False, stock=False) -> Attn:
+    """F.sdpa on each sequence alone: math in float64, or with stock=True
+    efficient attention in the packed dtype (stock's own rounding: the
+    yardstick for an engine's error)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if stock:
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            return _per_sequence(p, is_causal, lambda t: t.detach().clone().requires_grad_())
+    return _per_sequence(p, is_causal, lambda t: t.detach().double().requires_grad_())
+
+
+def _per_sequence(p: Packed, is_causal, leaf) -> Attn:
+    qd, kd, vd = (leaf(t) for t in (p.q, p.k, p.v))
     rep = qd.shape[1] // kd.shape[1]
     outs = []
     for b in range(p.cu_q.numel() - 1):
@@ -115,10 +129,12 @@ def reference(p: Packed, is_causal=False) -> Attn:
         if k1 == k0:
             out = qs.new_zeros(qs.shape[:-1] + (vs.shape[-1],)) + 0 * qs.sum()
         else:
-            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=is_causal)
+            # [1, H, s, D]: the fused kernels take 4-D inputs only
+            out = F.scaled_dot_product_attention(qs[None], ks[None], vs[None],
+                                                 is_causal=is_causal)[0]
         outs.append(out.transpose(0, 1))
     out = torch.cat(outs)
-    ref = Packed(qd, kd, vd, p.go.double(), *p[4:])
+    ref = Packed(qd, kd, vd, p.go.to(qd.dtype), *p[4:])
     return _grads(out, ref)
 
 

@@ -87,7 +87,7 @@ TEST_CASE("guard_rules: the rows, in order", "[guards]") {
   CHECK(names == std::vector<std::string>{"bhsq1_backward_plan_segfault",
                                           "key_tail_nan_dq_9.19", "key_tail_nan_dq",
                                           "sq1_nan_dk_dv_9.19", "sq1_nan_dk_dv",
-                                          "ragged_unverified"});
+                                          "ragged_wrong_9.19", "ragged_wrong"});
   // warn_once has a flag for every row only up to kMaxGuardRules.
   CHECK(openwam::guard_rules().size() <= openwam::kMaxGuardRules);
 }
@@ -487,18 +487,25 @@ TEST_CASE("warn_once: one warning per rule per process", "[guards]") {
   }
 }
 
-TEST_CASE("rule ragged_unverified: ragged calls only, every version, nothing measured",
+TEST_CASE("rules ragged_wrong_9.19 (measured) and ragged_wrong: ragged calls only, every version",
           "[guards]") {
-  const GuardRule& r = rule("ragged_unverified");
+  const GuardRule& measured = rule("ragged_wrong_9.19");
+  const GuardRule& r = rule("ragged_wrong");
+  CHECK(measured.fix == Fix::kAvoidCudnn);
+  CHECK(measured.measured.contains(k9_19_0));
   CHECK(r.fix == Fix::kAvoidCudnn);
   CHECK(r.measured.empty());
   for (long version : {k9_7_1, k9_19_0, k9_26_0}) {
     for (int64_t s_q : {1, 64}) {
+      CAPTURE(version, s_q);
       CallShape dense = shape(1, 1, s_q, 192, 128);
       CHECK_FALSE(fires(r, dense, version));
+      CHECK_FALSE(fires(measured, dense, version));
       CallShape ragged = dense;
       ragged.ragged = true;
-      CHECK(fires(r, ragged, version));
+      // Exactly one of the two speaks for a ragged call: the measured row on 9.19.0.
+      CHECK(fires(measured, ragged, version) == (version == k9_19_0));
+      CHECK(fires(r, ragged, version) == (version != k9_19_0));
     }
   }
   // check_guards (openwam::sdpa's dense calls) never meets a ragged row.

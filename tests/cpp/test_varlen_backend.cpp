@@ -41,11 +41,12 @@ struct Packed {
   }
 };
 
-VarlenStack cuda_stack(bool flash = true, const char* cudnn_unavailable = nullptr) {
+VarlenStack cuda_stack(bool flash = true, const char* cudnn_unavailable = nullptr,
+                       long cudnn_version = k9_19_0) {
   VarlenStack s;
   s.cuda = true;
   s.flash_available = flash;
-  s.cudnn_version = k9_19_0;
+  s.cudnn_version = cudnn_version;
   s.cudnn_unavailable = cudnn_unavailable;
   return s;
 }
@@ -68,7 +69,7 @@ TEST_CASE("varlen: FlashAttention-2 by default on CUDA, within its limits", "[va
   CHECK(Packed(at::kHalf, 256).decide(VarlenPreference::kAuto, cuda_stack()).backend ==
         VarlenBackend::kFlash);
   // Beyond them: the block-diagonal fallback (cuDNN's ragged layout is
-  // guarded off by ragged_unverified, whose name the decision carries).
+  // guarded off by ragged_wrong_9.19, measured, whose name the decision carries).
   for (const Packed& p : {Packed(at::kFloat), Packed(at::kBFloat16, 264),
                           Packed(at::kBFloat16, 100), Packed(at::kBFloat16, 128, 64)}) {
     const VarlenDecision d = p.decide(VarlenPreference::kAuto, cuda_stack());
@@ -77,7 +78,7 @@ TEST_CASE("varlen: FlashAttention-2 by default on CUDA, within its limits", "[va
   const VarlenDecision d = Packed(at::kBFloat16, 128, 128, /*one_cu=*/false)
                                .decide(VarlenPreference::kAuto, cuda_stack());
   CHECK(d.backend == VarlenBackend::kBlockDiagonal);
-  CHECK(rule_name(d) == "ragged_unverified");
+  CHECK(rule_name(d) == "ragged_wrong_9.19");
   CHECK_FALSE(d.rule_overridden);
   Packed not_causal(at::kBFloat16, 128, 128, /*one_cu=*/false);
   not_causal.is_causal = false;
@@ -86,16 +87,24 @@ TEST_CASE("varlen: FlashAttention-2 by default on CUDA, within its limits", "[va
         VarlenBackend::kBlockDiagonal);
 }
 
-TEST_CASE("varlen: OPENWAM_SDPA_VARLEN=cudnn overrides the unmeasured ragged row", "[varlen]") {
-  const VarlenDecision d = Packed().decide(VarlenPreference::kCudnn, cuda_stack());
+TEST_CASE("varlen: OPENWAM_SDPA_VARLEN=cudnn overrides the unmeasured ragged row only",
+          "[varlen]") {
+  const VarlenStack unmeasured = cuda_stack(true, nullptr, openwam::cudnn_version(9, 20, 0));
+  const VarlenDecision d = Packed().decide(VarlenPreference::kCudnn, unmeasured);
   CHECK(d.backend == VarlenBackend::kCudnnRagged);
-  CHECK(rule_name(d) == "ragged_unverified");
+  CHECK(rule_name(d) == "ragged_wrong");
   CHECK(d.rule_overridden);
+  // On 9.19.0 the row is measured (wrong dQ, a hang): the setting cannot
+  // send a call there.
+  const VarlenDecision held = Packed().decide(VarlenPreference::kCudnn, cuda_stack());
+  CHECK(held.backend == VarlenBackend::kFlash);
+  CHECK(rule_name(held) == "ragged_wrong_9.19");
+  CHECK_FALSE(held.rule_overridden);
   // Without cuDNN, or for inputs it cannot take: FlashAttention-2 or the fallback.
+  CHECK(Packed(at::kFloat).decide(VarlenPreference::kCudnn, unmeasured).backend ==
+        VarlenBackend::kBlockDiagonal);
   CHECK(Packed().decide(VarlenPreference::kCudnn, cuda_stack(true, "cuDNN is not available"))
             .backend == VarlenBackend::kFlash);
-  CHECK(Packed(at::kFloat).decide(VarlenPreference::kCudnn, cuda_stack()).backend ==
-        VarlenBackend::kBlockDiagonal);
 }
 
 TEST_CASE("varlen: flash never picks cuDNN, and an empty input takes the fallback", "[varlen]") {

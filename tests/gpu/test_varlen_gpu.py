@@ -4,9 +4,10 @@ torch.compile, explain_varlen, and the cuDNN ragged-layout sweep.
 
 Engines: "flash" (ATen's FlashAttention-2 varlen, the default) and
 "block_diagonal" (openwam::sdpa over the packed batch with a block-diagonal
-mask) in this process; "cudnn" (the ragged layout, guarded off by the row
-ragged_unverified) only through tools/sweep_varlen_ragged.py in a child
-process per cell with a timeout, since a torch 2.7 probe hung on it.
+mask) in this process; "cudnn" (the ragged layout, guarded off by the rows
+ragged_wrong_9.19 and ragged_wrong) only through tools/sweep_varlen_ragged.py
+in a child process per cell with a timeout: it hangs with one query per
+sequence on cuDNN 9.19.
 
 The error rule is the suite's (support.twice_stock_problem): against the
 float64 reference, at most twice the error of stock F.sdpa on the padded
@@ -30,7 +31,7 @@ import torch
 import openwam_sdpa
 from support import load_tool, max_err, nonfinite, tool_path, twice_stock_problem
 
-from .conftest import GPU_MARKS, LOW_ROW_FLOOR, floor_for
+from .conftest import GPU_MARKS, LOW_ROW_FLOOR, cudnn_version, floor_for
 
 pytestmark = GPU_MARKS
 
@@ -130,16 +131,19 @@ def test_engine_within_twice_padded_stock(case, engine, engine_setting, suite_re
 @pytest.mark.parametrize("engine", IN_PROCESS_ENGINES)
 def test_queries_without_keys(engine, engine_setting):
     """A sequence with queries but no keys: zero output and zero gradient
-    (F.sdpa on that sequence alone), and no NaN anywhere."""
+    (F.sdpa on that sequence alone), no NaN anywhere, and the other sequences
+    within twice stock's error (efficient attention on each sequence alone)."""
     p = sweep.packed_adversarial([3, 4, 2], [5, 0, 7], D=64, low="none")
     ours, _ = run_public(p, engine_setting, engine, False)
     ref = sweep.reference(p, False)
+    stock = sweep.reference(p, False, stock=True)
     assert sum(nonfinite(t) for t in ours) == 0
     assert torch.equal(ours.out[3:7], torch.zeros_like(ours.out[3:7]))
     assert torch.equal(ours.dq[3:7], torch.zeros_like(ours.dq[3:7]))
     for n in sweep.Attn._fields:
-        assert max_err(getattr(ours, n), getattr(ref, n)) <= \
-            8 * floor_for(getattr(ref, n), DTYPE) + 1e-3, n
+        r = getattr(ref, n)
+        assert max_err(getattr(ours, n), r) <= \
+            2 * max_err(getattr(stock, n), r) + floor_for(r, DTYPE), n
 
 
 def test_empty_sequences_flash(engine_setting):
@@ -168,14 +172,21 @@ def test_explain_on_cuda(engine_setting):
     assert e["backend"] == "block_diagonal"
     engine_setting("cudnn")
     e = openwam_sdpa.explain_varlen(p.q, p.k, p.v, p.cu_q, p.cu_k, p.max_q, p.max_k)
-    if e["cudnn_rejects"] == "":
+    if e["cudnn_rejects"] == "" and cudnn_version() == 91900:
+        # Measured wrong there: no setting sends the call to cuDNN's ragged layout.
+        assert e["backend"] == "flash_varlen" and e["rule"] == "ragged_wrong_9.19"
+    elif e["cudnn_rejects"] == "":
         assert e["backend"] == "cudnn_ragged"
-        assert e["rule"] == "ragged_unverified (overridden by OPENWAM_SDPA_VARLEN=cudnn)"
+        assert e["rule"] == "ragged_wrong (overridden by OPENWAM_SDPA_VARLEN=cudnn)"
 
 
 def test_no_host_sync_and_cuda_graph(engine_setting):
     """The flash engine's forward and backward capture into a CUDA graph
-    (a host sync inside would fail the capture) and replay to eager's result."""
+    (a host sync inside would fail the capture) and replay to eager's result.
+    Eager runs after the capture: a backward on the legacy default stream
+    first would tie the leaves' gradient accumulators to that stream, and the
+    capture would fail for any op (PyTorch's CUDA-graph notes: warm up on a
+    side stream)."""
     p = sweep.packed_adversarial([37, 1, 200, 3], None, D=128, low="none")
     engine_setting("flash")
 
@@ -184,7 +195,6 @@ def test_no_host_sync_and_cuda_graph(engine_setting):
                                        is_causal=True)
         return (out,) + torch.autograd.grad(out, (p.q, p.k, p.v), p.go)
 
-    eager = [t.clone() for t in step()]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -196,6 +206,7 @@ def test_no_host_sync_and_cuda_graph(engine_setting):
         captured = step()
     graph.replay()
     torch.cuda.synchronize()
+    eager = step()
     for a, b in zip(captured, eager):
         assert torch.equal(a, b)
 
