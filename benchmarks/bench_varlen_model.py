@@ -7,7 +7,8 @@ Model (built from a config, nothing downloaded), bf16 weights:
   tiny   2 layers, width 64 (--selftest, CPU)
 Sequence lengths: lognormal(mu = ln 512, sigma = 0.9), rounded, clipped to [16, 4096] (a
 stand-in for instruction-tuning data: median 512, mean about 770 tokens). One batch per
-scenario, drawn from a fixed seed, holds sequences until their tokens reach --tokens (8192):
+scenario, drawn from a fixed seed, holds sequences until their tokens reach --tokens (8192;
+grouped: whole sequences up to it):
   random    sequences drawn independently: padded to the longest, the batch is 40-70% padding
   grouped   the batch drawn from a pool sorted by length (group_by_length): < 5% padding
 Contenders, each training the same sequences (same real tokens, same loss terms: the first
@@ -112,8 +113,9 @@ def lognormal_lengths(n, rng, mu, sigma, min_len, max_len):
 
 
 def draw_lengths(scenario, tokens, dist, seed):
-    """Sequence lengths of one batch: until their sum reaches `tokens` (the last one cut so the
-    sum is exactly `tokens`, at least min_len long)."""
+    """Sequence lengths of one batch: until their sum reaches `tokens` (random: the last one cut
+    so the sum is exactly `tokens`, at least min_len long; grouped: whole sequences only, as a
+    cut one would be padded to the batch's longest)."""
     rng = random.Random(seed)
     if scenario == "random":
         pool = lognormal_lengths(4 * tokens // dist["min_len"] + 64, rng, **dist)
@@ -123,6 +125,8 @@ def draw_lengths(scenario, tokens, dist, seed):
         pool = pool[start:] + pool[:start]
     lengths, total = [], 0
     for n in pool:
+        if scenario == "grouped" and total + n > tokens:
+            break
         n = min(n, tokens - total)
         if n < dist["min_len"]:
             break
