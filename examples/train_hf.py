@@ -27,19 +27,15 @@ import math
 import sys
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 import openwam_sdpa  # registers attn_implementation="openwam_sdpa" once transformers is imported
+from attention_verdict import FirstAttentionCall, verdict  # this folder's, on sys.path as run
 
 try:
     from transformers import AutoModelForCausalLM, Qwen2Config
 except ImportError:
     sys.exit('examples/train_hf.py needs transformers: pip install --no-build-isolation ".[hf]" '
              "(or pip install transformers)")
-
-STOCK_SDPA = F.scaled_dot_product_attention  # PyTorch's own, bound before any patch()
-
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -64,43 +60,6 @@ def left_padded_batch(batch, seq, vocab, device):
     attention_mask = (torch.arange(seq) >= padding[:, None]).long()
     labels = ids.masked_fill(attention_mask == 0, -100)
     return ids.to(device), attention_mask.to(device), labels.to(device)
-
-
-class FirstAttentionCall(TorchFunctionMode):
-    """Sees every torch call inside it and keeps openwam_sdpa.explain() of the
-    first attention call: stock F.sdpa, or the op "openwam_sdpa" routes to."""
-
-    def __init__(self):
-        super().__init__()
-        self.plan, self.stock = None, None
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.plan is None and (func is STOCK_SDPA or func is torch.ops.openwam.sdpa.default):
-            self.plan, self.stock = openwam_sdpa.explain(*args, **kwargs), func is STOCK_SDPA
-        return func(*args, **kwargs)
-
-
-def attention_text(first_call, repaired):
-    """Which attention ran, from explain() of its first call."""
-    p = first_call.plan
-    if p is None:
-        return "no scaled_dot_product_attention call seen (eager attention)"
-    if first_call.stock:
-        asked = not p["pytorch_choice"].startswith("not asked")
-        text = ("stock F.scaled_dot_product_attention ("
-                + (f"PyTorch picks {p['pytorch_choice']})" if asked else f"{p['reason']})"))
-        return text + (f"; the guard table lists this call: {p['rule']}" if p["rule"] else "")
-    text = f"openwam_sdpa, route {p['route']} ({p['reason']}), plan {p['plan']}"
-    text += f", rule {p['rule']}" if p["rule"] else ""
-    return text + f"; {repaired} dQ rows repaired"
-
-
-def verdict(bad_steps, steps, first_call, repaired):
-    finite = (f"finite: loss and gradients finite in all {steps} steps" if not bad_steps else
-              f"NOT finite: loss or gradients non-finite from step {bad_steps[0]} "
-              f"({len(bad_steps)} of {steps} steps)")
-    return f"verdict: {finite}; attention: {attention_text(first_call, repaired)}"
 
 
 def main():
@@ -136,7 +95,8 @@ def main():
         print("note: no NaN to show here: the NaN demonstration needs a CUDA GPU with cuDNN "
               "attention (the defect is in cuDNN's attention backward); this run checks that "
               "training works on the CPU")
-    print(verdict(bad_steps, args.steps, first_call, openwam_sdpa.repaired_rows()))
+    print(verdict(bad_steps, args.steps, first_call, openwam_sdpa.repaired_rows(),
+                  none_seen="no scaled_dot_product_attention call seen (eager attention)"))
 
 
 if __name__ == "__main__":

@@ -29,11 +29,9 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 import openwam_sdpa
-
-STOCK_SDPA = F.scaled_dot_product_attention  # PyTorch's own, bound before any patch()
+from attention_verdict import FirstAttentionCall, verdict  # this folder's, on sys.path as run
 
 
 class Block(nn.Module):
@@ -82,21 +80,6 @@ def left_padded_batch(batch, seq, vocab, device):
     return ids.to(device), mask.to(device), labels.to(device)
 
 
-class FirstAttentionCall(TorchFunctionMode):
-    """Sees every torch call inside it and keeps openwam_sdpa.explain() of the
-    first attention call: stock F.sdpa, or the op that patch() routes to."""
-
-    def __init__(self):
-        super().__init__()
-        self.plan, self.stock = None, None
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.plan is None and (func is STOCK_SDPA or func is torch.ops.openwam.sdpa.default):
-            self.plan, self.stock = openwam_sdpa.explain(*args, **kwargs), func is STOCK_SDPA
-        return func(*args, **kwargs)
-
-
 def train(model, batch, steps, device):
     """Train; returns (steps whose loss or gradient norm was not finite,
     the first attention call's FirstAttentionCall)."""
@@ -120,28 +103,6 @@ def train(model, batch, steps, device):
         if not (math.isfinite(loss.item()) and math.isfinite(grad_norm.item())):
             bad_steps.append(step)
     return bad_steps, first_call
-
-
-def attention_text(first_call, repaired):
-    """Which attention ran, from explain() of its first call."""
-    p = first_call.plan
-    if p is None:
-        return "no scaled_dot_product_attention call seen"
-    if first_call.stock:
-        asked = not p["pytorch_choice"].startswith("not asked")
-        text = ("stock F.scaled_dot_product_attention ("
-                + (f"PyTorch picks {p['pytorch_choice']})" if asked else f"{p['reason']})"))
-        return text + (f"; the guard table lists this call: {p['rule']}" if p["rule"] else "")
-    text = f"openwam_sdpa, route {p['route']} ({p['reason']}), plan {p['plan']}"
-    text += f", rule {p['rule']}" if p["rule"] else ""
-    return text + f"; {repaired} dQ rows repaired"
-
-
-def verdict(bad_steps, steps, first_call, repaired):
-    finite = (f"finite: loss and gradients finite in all {steps} steps" if not bad_steps else
-              f"NOT finite: loss or gradients non-finite from step {bad_steps[0]} "
-              f"({len(bad_steps)} of {steps} steps)")
-    return f"verdict: {finite}; attention: {attention_text(first_call, repaired)}"
 
 
 def main():

@@ -22,6 +22,13 @@ VERDICT = re.compile(r"^verdict: (finite|NOT finite): (.+); attention: (.+)$")
 CPU_NOTE = "note: no NaN to show here: the NaN demonstration needs a CUDA GPU with cuDNN attention"
 
 
+@pytest.fixture(autouse=True)
+def examples_on_path(monkeypatch):
+    """As `python examples/NAME.py` puts the script's folder on sys.path (the
+    examples share examples/attention_verdict.py); runpy does not."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+
+
 def run_example(name, args, monkeypatch, capsys):
     """(stdout, whether F.sdpa was left patched)."""
     monkeypatch.setattr(sys, "argv", [str(EXAMPLES / name), *args])

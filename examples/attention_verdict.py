@@ -1,0 +1,50 @@
+"""The examples' last line: whether training stayed finite, and which attention ran.
+
+Imported by examples/train_hf.py and examples/train_patch.py, which Python runs
+with this folder on sys.path.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+import openwam_sdpa
+
+STOCK_SDPA = F.scaled_dot_product_attention  # PyTorch's own, bound before any patch()
+
+
+class FirstAttentionCall(TorchFunctionMode):
+    """Sees every torch call inside it and keeps openwam_sdpa.explain() of the
+    first attention call: stock F.sdpa, or the op openwam_sdpa routes it to."""
+
+    def __init__(self):
+        super().__init__()
+        self.plan, self.stock = None, None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.plan is None and (func is STOCK_SDPA or func is torch.ops.openwam.sdpa.default):
+            self.plan, self.stock = openwam_sdpa.explain(*args, **kwargs), func is STOCK_SDPA
+        return func(*args, **kwargs)
+
+
+def attention_text(first_call, repaired, none_seen="no scaled_dot_product_attention call seen"):
+    """Which attention ran, from explain() of its first call."""
+    p = first_call.plan
+    if p is None:
+        return none_seen
+    if first_call.stock:
+        asked = not p["pytorch_choice"].startswith("not asked")
+        text = ("stock F.scaled_dot_product_attention ("
+                + (f"PyTorch picks {p['pytorch_choice']})" if asked else f"{p['reason']})"))
+        return text + (f"; the guard table lists this call: {p['rule']}" if p["rule"] else "")
+    text = f"openwam_sdpa, route {p['route']} ({p['reason']}), plan {p['plan']}"
+    text += f", rule {p['rule']}" if p["rule"] else ""
+    return text + f"; {repaired} dQ rows repaired"
+
+
+def verdict(bad_steps, steps, first_call, repaired, **attention):
+    finite = (f"finite: loss and gradients finite in all {steps} steps" if not bad_steps else
+              f"NOT finite: loss or gradients non-finite from step {bad_steps[0]} "
+              f"({len(bad_steps)} of {steps} steps)")
+    return f"verdict: {finite}; attention: {attention_text(first_call, repaired, **attention)}"
