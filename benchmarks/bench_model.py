@@ -58,11 +58,11 @@ import torch
 
 import report
 import timing
+from hf_attention import NO_CUDNN, register_no_cudnn
 from stack import headline, import_openwam, openwam_settings, require_device, stack_info
 
 DTYPE = torch.bfloat16
 BASE = "sdpa"
-NO_CUDNN = "sdpa_no_cudnn"  # the attention implementation registered below
 
 SIZES = {
     "30m": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8),
@@ -81,25 +81,6 @@ def model_config(size):
     cfg = SIZES[size]
     return Qwen2Config(vocab_size=VOCAB[size], num_key_value_heads=cfg["num_attention_heads"],
                        max_position_embeddings=8192, tie_word_embeddings=True, use_cache=False, **cfg)
-
-
-def register_no_cudnn():
-    """Register "sdpa_no_cudnn" with transformers: its "sdpa" attention inside
-    sdpa_kernel(flash, efficient, math). The restriction sits inside the call, so a
-    compiled layer traces it (a global switch outside would not be guarded)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    allowed = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-    def no_cudnn(module, query, key, value, attention_mask, **kwargs):
-        with sdpa_kernel(allowed):
-            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-    AttentionInterface.register(NO_CUDNN, no_cudnn)
-    AttentionMaskInterface.register(NO_CUDNN, sdpa_mask)
 
 
 def build_model(size, attn, device):

@@ -53,10 +53,10 @@ import torch
 
 import report
 import timing
+from hf_attention import NO_CUDNN, register_no_cudnn
 from stack import headline, import_openwam, require_device, stack_info
 
 DTYPE = torch.bfloat16
-NO_CUDNN = "sdpa_no_cudnn"
 SIZES = {
     "400m": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
                  num_attention_heads=8, vocab_size=32000),
@@ -77,23 +77,6 @@ def model_config(size):
     cfg = SIZES[size]
     return LlamaConfig(num_key_value_heads=cfg["num_attention_heads"], max_position_embeddings=8192,
                        tie_word_embeddings=True, use_cache=False, **cfg)
-
-
-def register_no_cudnn():
-    """"sdpa_no_cudnn": transformers' "sdpa" inside sdpa_kernel(flash, efficient, math)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    allowed = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-    def no_cudnn(module, query, key, value, attention_mask, **kwargs):
-        with sdpa_kernel(allowed):
-            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-    AttentionInterface.register(NO_CUDNN, no_cudnn)
-    AttentionMaskInterface.register(NO_CUDNN, sdpa_mask)
 
 
 def build_model(size, attn, device):
