@@ -15,9 +15,13 @@
 #           (on a warm machine that already has it: incremental build_ext)
 #   ctest   CMake build of the op library + Catch2 tests, then ctest
 #   cpu     python -m pytest -q tests --ignore=tests/gpu   (the CPU suite)
-#   gpu     python -m pytest -q tests/gpu, the fuzz excepted (it has a part of its own)
+#   gpu     python -m pytest -q tests/gpu, the fuzz and the ragged sweep excepted
+#           (each has a part of its own)
 #   fuzz    python -m pytest -q -s tests/gpu/test_fuzz_gpu.py: the differential fuzz
-#           (OPENWAM_FUZZ_CASES, default 1,000; OPENWAM_FUZZ_SEED replays a run)
+#           (OPENWAM_FUZZ_CASES, default 1,000; OPENWAM_FUZZ_SEED replays a run;
+#           about 330 s on an H200)
+#   ragged  python -m pytest -q tests/gpu/test_varlen_gpu.py -k test_cudnn_ragged_sweep:
+#           cuDNN's ragged layout, one child process per cell (about 170 s)
 #   tests   = ctest cpu gpu
 #   doctor  python -m openwam_sdpa doctor (report to $OUT/doctor.txt)
 #   sweep   python tools/sweep_single_query_row.py --out $OUT/sweep
@@ -48,7 +52,8 @@
 #   TORCH_CUDA_ARCH_LIST (default 9.0a), MAX_JOBS (default: cores),
 #   FULL_BUILD=1 (always the pip build), JUNIT=1, DEVICE_BUDGET_S,
 #   GPU_CAP (the GPU suite's time limit, default 420 s; the suite takes
-#   about 300-370 s on an H200).
+#   about 300 s on an H200). The whole GPU evidence takes two calls:
+#   `build gpu`, then `fuzz ragged` (about 500 s).
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -92,7 +97,7 @@ section() { local f=$1; shift; printf '\n===== %s =====\n' "$*" >>"$f"; }
 # ------------------------------------------------------------ which parts
 parts=("$@")
 ((${#parts[@]})) || parts=(build tests doctor bench)
-want_build=0 want_ctest=0 want_cpu=0 want_gpu=0 want_fuzz=0 want_doctor=0 want_bench=0 want_sweep=0 want_pytorch=0
+want_build=0 want_ctest=0 want_cpu=0 want_gpu=0 want_fuzz=0 want_ragged=0 want_doctor=0 want_bench=0 want_sweep=0 want_pytorch=0
 want_host=0 want_sanitize=0 want_profile=0
 for p in "${parts[@]}"; do
   case $p in
@@ -101,6 +106,7 @@ for p in "${parts[@]}"; do
     cpu) want_cpu=1 ;;
     gpu) want_gpu=1 ;;
     fuzz) want_fuzz=1 ;;
+    ragged) want_ragged=1 ;;
     tests) want_ctest=1 want_cpu=1 want_gpu=1 ;;
     doctor) want_doctor=1 ;;
     bench) want_bench=1 ;;
@@ -110,7 +116,7 @@ for p in "${parts[@]}"; do
     sanitize) want_sanitize=1 ;;
     profile) want_profile=1 ;;
     all) want_build=1 want_ctest=1 want_cpu=1 want_gpu=1 want_doctor=1 want_bench=1 ;;
-    *) echo "device_run.sh: unknown part '$p' (build ctest cpu gpu fuzz tests doctor sweep pytorch bench host sanitize profile all)"; exit 2 ;;
+    *) echo "device_run.sh: unknown part '$p' (build ctest cpu gpu fuzz ragged tests doctor sweep pytorch bench host sanitize profile all)"; exit 2 ;;
   esac
 done
 
@@ -127,7 +133,7 @@ say "nvcc $(nvcc --version 2>/dev/null | grep -oE 'release [0-9.]+' || echo 'NOT
 cmake $(cmake --version 2>/dev/null | head -1 | grep -oE '[0-9.]+$'), $(nproc) cores, \
 TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, parts: ${parts[*]}"
 
-st_build="-" st_ctest="-" st_cpu="-" st_gpu="-" st_fuzz="-" st_doctor="-" st_bench="-" st_sweep="-" st_pytorch="-" build_s="-"
+st_build="-" st_ctest="-" st_cpu="-" st_gpu="-" st_fuzz="-" st_ragged="-" st_doctor="-" st_bench="-" st_sweep="-" st_pytorch="-" build_s="-"
 st_host="-" st_sanitize="-" st_profile="-"
 
 ext_importable() {
@@ -160,7 +166,7 @@ do_build() {
   fi
   say "build: $st_build"
 }
-if ((want_build)) || { ((want_cpu || want_gpu || want_fuzz || want_doctor || want_bench || want_sweep || want_pytorch || want_host || want_sanitize || want_profile)) && ! ext_importable; }; then
+if ((want_build)) || { ((want_cpu || want_gpu || want_fuzz || want_ragged || want_doctor || want_bench || want_sweep || want_pytorch || want_host || want_sanitize || want_profile)) && ! ext_importable; }; then
   do_build
 fi
 
@@ -231,9 +237,13 @@ if ((want_cpu)); then pytest_part cpu 180 tests --ignore=tests/gpu; st_cpu=$REPL
 if ((want_gpu)); then
   junit=()
   [[ "${JUNIT:-0}" == "1" ]] && junit=(--junitxml="$OUT/pytest_gpu.xml")
-  pytest_part gpu "${GPU_CAP:-420}" tests/gpu --ignore=tests/gpu/test_fuzz_gpu.py "${junit[@]}"; st_gpu=$REPLY
+  pytest_part gpu "${GPU_CAP:-420}" tests/gpu --ignore=tests/gpu/test_fuzz_gpu.py \
+    --deselect=tests/gpu/test_varlen_gpu.py::test_cudnn_ragged_sweep "${junit[@]}"; st_gpu=$REPLY
 fi
 if ((want_fuzz)); then pytest_part fuzz "${FUZZ_CAP:-540}" -s tests/gpu/test_fuzz_gpu.py; st_fuzz=$REPLY; fi
+if ((want_ragged)); then
+  pytest_part ragged 300 tests/gpu/test_varlen_gpu.py::test_cudnn_ragged_sweep; st_ragged=$REPLY
+fi
 
 # ------------------------------------------------------------ doctor
 if ((want_doctor)); then
@@ -340,12 +350,13 @@ fi
 nfiles=$(find "$OUT" -type f | wc -l)
 echo
 echo "==================== device_run summary ($((SECONDS - T0))s) ===================="
-printf '%-7s %s\n' build "$st_build" ctest "$st_ctest" cpu "$st_cpu" gpu "$st_gpu" fuzz "$st_fuzz" doctor "$st_doctor" \
+printf '%-7s %s\n' build "$st_build" ctest "$st_ctest" cpu "$st_cpu" gpu "$st_gpu" fuzz "$st_fuzz" \
+  ragged "$st_ragged" doctor "$st_doctor" \
   sweep "$st_sweep" pytorch "$st_pytorch" bench "$st_bench" host "$st_host" \
   sanitize "$st_sanitize" profile "$st_profile"
 printf '%-7s %s\n' files "$nfiles under $OUT"
 fail=0
-for s in "$st_build" "$st_ctest" "$st_cpu" "$st_gpu" "$st_fuzz" "$st_doctor" "$st_sweep" "$st_pytorch" "$st_bench" \
+for s in "$st_build" "$st_ctest" "$st_cpu" "$st_gpu" "$st_fuzz" "$st_ragged" "$st_doctor" "$st_sweep" "$st_pytorch" "$st_bench" \
          "$st_host" "$st_sanitize" "$st_profile"; do
   [[ "$s" == "-" || "$s" == ok* || "$s" == "no benchmarks"* ]] || fail=1
 done
