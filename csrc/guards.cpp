@@ -119,9 +119,10 @@ const std::vector<GuardRule>& table() {
        "pin); conservative: not measured by this project except on 9.19.0 (row above)"},
       // ---- The ragged layout (openwam::sdpa_varlen's cuDNN engine).
       // Measured on 9.19.0 (torch 2.11.0+cu130, H200, tools/sweep_varlen_ragged.py):
-      // dQ wrong on all ten cells, ordinary ones too (normalized max error
-      // 2.6 and up); 93-186 ms per forward+backward where FlashAttention-2
-      // varlen takes 0.2-0.7 ms; a hang with one query per sequence. ATen's
+      // dQ wrong on all seven cells of several sequences, ordinary ones too
+      // (normalized max error 2.6 and up; the two one-sequence cells were
+      // right); 93-186 ms per forward+backward where FlashAttention-2 varlen
+      // takes 0.2-0.7 ms; a hang with one query per sequence. ATen's
       // _cudnn_attention_backward (attention_backward.cu) takes the longest
       // sequences from query.size(2) and key.size(2), which for the ragged
       // [total, heads, head_dim] layout are head_dim, not max_q/max_k.
@@ -131,8 +132,9 @@ const std::vector<GuardRule>& table() {
        &ragged_measured_hits,
        Fix::kAvoidCudnn,
        "9.19.0",
-       "cuDNN's ragged layout through ATen gave wrong dQ on every swept call, "
-       "took 93-186 ms per forward+backward and hung with one query per sequence",
+       "cuDNN's ragged layout through ATen gave wrong dQ on every swept batch of "
+       "several sequences, took 93-186 ms per forward+backward and hung with one "
+       "query per sequence",
        "sdpa_varlen runs the call on FlashAttention-2 varlen (or its "
        "block-diagonal fallback), whatever OPENWAM_SDPA_VARLEN says",
        "this project's H200 sweep (torch 2.11.0+cu130); ATen's backward sizes its "
