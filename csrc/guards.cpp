@@ -138,7 +138,8 @@ const std::vector<GuardRule>& table() {
        "sdpa_varlen runs the call on FlashAttention-2 varlen (or its "
        "block-diagonal fallback), whatever OPENWAM_SDPA_VARLEN says",
        "this project's H200 sweep (torch 2.11.0+cu130); ATen's backward sizes its "
-       "ragged graph by head_dim instead of the longest sequence (read in its source)"},
+       "ragged graph by head_dim instead of the longest sequence (read in its source); "
+       "related: TransformerEngine #3249 (a ragged backward read its stats as dense)"},
       // Every other version: not measured, so treated as 9.19.0 was found.
       {"ragged_wrong",
        {0, kAfterNewest},
