@@ -18,13 +18,13 @@ reference is at most twice the best finite stock backend's (cuDNN, flash,
 efficient, all with K/V repeated to the query heads) plus a floor of a
 quarter ulp at the tensor's largest entry, or at most twice the error of
 stock F.sdpa called as the user calls it (PyTorch's choice, native GQA) where
-that is finite. The second clause is for the tensors the op takes from cuDNN
-unchanged: cuDNN's own dK on these inputs can be 3.4x the best backend's
-(bitwise the op's; measured on the H200, cuDNN 9.19), which is stock's
-accuracy, not the repair's. Both ratios are recorded. Where no stock backend
-is finite the op must still be finite. Dropout cases (5%) cannot be compared element
-by element: there the op must be finite and its output unbiased (the mean
-of out - ref within 6 standard errors of zero).
+that is finite. The second clause keeps stock's own accuracy from failing the
+op: cuDNN's dK on these inputs can be 3.4x the best backend's, and the op's dK
+is bitwise cuDNN's there (measured on the H200, cuDNN 9.19). Both ratios are
+recorded. Where no stock backend is finite the op must still be finite.
+Dropout cases (5%) cannot be compared element by element: there the op must
+be finite and its output unbiased (the mean of out - ref within 6 standard
+errors of zero).
 """
 
 from __future__ import annotations
