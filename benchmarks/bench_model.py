@@ -58,7 +58,7 @@ import torch
 
 import report
 import timing
-from hf_attention import NO_CUDNN, register_no_cudnn
+from hf_training import NO_CUDNN, register_no_cudnn, trainer, wall_figure
 from stack import headline, import_openwam, openwam_settings, require_device, stack_info
 
 DTYPE = torch.bfloat16
@@ -92,18 +92,20 @@ def build_model(size, attn, device):
 
 
 def make_batch(size, seq, padding, device):
-    """(input_ids, attention_mask or None, labels): sequence b of a left-padded batch
-    starts with b * seq // (4 * batch) padding tokens (label -100)."""
+    """The model's keyword arguments input_ids, attention_mask (None without padding) and
+    labels: sequence b of a left-padded batch starts with b * seq // (4 * batch) padding
+    tokens (label -100)."""
     b = BATCH[seq]
     gen = torch.Generator().manual_seed(seq)
     ids = torch.randint(0, VOCAB[size], (b, seq), generator=gen)
     if padding == "none":
-        return ids.to(device), None, ids.to(device)
+        return dict(input_ids=ids.to(device), attention_mask=None, labels=ids.to(device))
     pad = [i * seq // (4 * b) for i in range(b)]
     mask = torch.ones(b, seq, dtype=torch.long)
     for i, p in enumerate(pad):
         mask[i, :p] = 0
-    return ids.to(device), mask.to(device), ids.masked_fill(mask == 0, -100).to(device)
+    return dict(input_ids=ids.to(device), attention_mask=mask.to(device),
+                labels=ids.masked_fill(mask == 0, -100).to(device))
 
 
 @dataclass
@@ -123,40 +125,6 @@ def contenders_for(models):
             Contender("sdpa-no-cudnn", contextlib.nullcontext, models[NO_CUDNN])]
 
 
-def trainer(model, batch):
-    """Training on batch with a fresh AdamW: (step, first_step, losses). first_step() also
-    returns the count of non-finite gradient elements before the optimizer uses them;
-    losses holds the last step's loss (on the device: reading it would synchronise)."""
-    ids, mask, labels = batch
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=ids.is_cuda)
-    losses = []
-
-    def backward():
-        opt.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
-        loss.backward()
-        losses.append(loss.detach())
-        del losses[:-1]
-
-    def step():
-        backward()
-        opt.step()
-
-    def first_step():
-        backward()
-        bad = sum(int((~torch.isfinite(p.grad)).sum()) for p in model.parameters() if p.grad is not None)
-        opt.step()
-        return bad
-
-    return step, first_step, losses
-
-
-def wall_figure(step, steps):
-    """wall_ms: the median of `steps` steps timed one by one (after one untimed step)."""
-    samples = timing.synced_steps_ms(step, steps, warmup=1)
-    return {"wall_ms": timing.percentile(samples, 50), "wall_steps_ms": samples}
-
-
 def gpu_figures(step, spin_ms):
     """gpu_ms: GPU busy time of one step; host_ms: host time of one step while a spin of spin_ms
     holds the GPU (covered: the spin still ran when the step returned)."""
@@ -174,7 +142,7 @@ def run_config(ow, models, init, size, mode, seq, padding, device, args):
         last_losses = {}
         for c in contenders:
             c.model.load_state_dict(init)
-            c.step, first_step, last_losses[c.name] = trainer(c.model, batch)
+            c.step, first_step, last_losses[c.name] = trainer(c.model, batch, lr=1e-4)
             with c.context():
                 counter = getattr(ow, "repaired_rows", None) if c.name == "openwam_sdpa" else None
                 if counter:

@@ -53,7 +53,7 @@ import torch
 
 import report
 import timing
-from hf_attention import NO_CUDNN, register_no_cudnn
+from hf_training import NO_CUDNN, register_no_cudnn, trainer, wall_figure
 from stack import headline, import_openwam, require_device, stack_info
 
 DTYPE = torch.bfloat16
@@ -165,38 +165,6 @@ class Contender:
     step: Callable = None
 
 
-def trainer(model, batch):
-    """(step, first_step, losses) of AdamW training on `batch`; first_step returns the count of
-    non-finite gradient elements."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=batch["input_ids"].is_cuda)
-    losses = []
-
-    def backward():
-        opt.zero_grad(set_to_none=True)
-        loss = model(**batch, use_cache=False).loss
-        loss.backward()
-        losses.append(loss.detach())
-        del losses[:-1]
-
-    def step():
-        backward()
-        opt.step()
-
-    def first_step():
-        backward()
-        bad = sum(int((~torch.isfinite(p.grad)).sum()) for p in model.parameters()
-                  if p.grad is not None)
-        opt.step()
-        return bad
-
-    return step, first_step, losses
-
-
-def wall_figure(step, steps):
-    samples = timing.synced_steps_ms(step, steps, warmup=1)
-    return {"wall_ms": timing.percentile(samples, 50), "wall_steps_ms": samples}
-
-
 def run_scenario(ow, models, init, scenario, tokens, device, args):
     dist = TINY_LOGNORMAL if args.size == "tiny" else LOGNORMAL
     lengths = draw_lengths(scenario, tokens, dist, seed=tokens)
@@ -215,7 +183,7 @@ def run_scenario(ow, models, init, scenario, tokens, device, args):
                                 padded)]
         for c in contenders:
             c.model.load_state_dict(init)
-            c.step, first_step, losses = trainer(c.model, c.batch)
+            c.step, first_step, losses = trainer(c.model, c.batch, lr=1e-5)
             counts = {}
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 t0 = time.perf_counter()
