@@ -27,7 +27,7 @@
 
 #include "layout.cuh"
 #include "scan.cuh"
-#include "tile.cuh"
+#include "run.cuh"
 
 namespace openwam {
 namespace repair {

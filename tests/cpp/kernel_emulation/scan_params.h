@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "cuda/repair/scan.cuh"
-#include "cuda/repair/tile.cuh"
+#include "cuda/repair/tile_types.cuh"
 
 namespace openwam {
 namespace repair {

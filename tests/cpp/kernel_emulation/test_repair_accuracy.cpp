@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "cuda/repair/layout.cuh"
-#include "cuda/repair/tile.cuh"
+#include "cuda/repair/run.cuh"
 #include "scan_params.h"
 
 using namespace openwam::repair;
