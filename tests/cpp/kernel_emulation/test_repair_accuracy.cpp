@@ -5,8 +5,8 @@
 // sum_j dS_ij = 0 in exact arithmetic, so any error of dS (rounded to fp16
 // for the mma; delta taken from the fp16 output) reaches dQ multiplied by
 // that shared component. test_repair_kernels.cpp cannot see this: its
-// reference rounds dS like the kernel and its error is relative to the size
-// of the summed terms. Here the reference is exact (float64 o, P and dS) and
+// reference (repair_case.h) rounds dS like the kernel and its error is
+// relative to the size of the summed terms. Here the reference is exact (float64 o, P and dS) and
 // the error is in fp16 ulps of the row's largest dQ. head_dim 96: a padded
 // width (128), keys 146: a partial third key block; head 0 lists 64 rows (a
 // wide tile), head 1 eight (a narrow tile: four warps' partial sums).
