@@ -27,7 +27,7 @@
 
 #include "cuda/repair/layout.cuh"
 #include "cuda/repair/scan.cuh"
-#include "cuda/repair/tile.cuh"
+#include "cuda/repair/run.cuh"
 #include "emu_support.h"
 #include "scan_params.h"
 
