@@ -1,6 +1,6 @@
 """The tables and plots of docs/performance.md, made from the benchmarks' result files.
 
-    python benchmarks/plot.py --ref lab/probes --out docs/assets       # the files the docs show
+    python benchmarks/plot.py --ref 1a239f8 --out docs/assets          # the files the docs show
     python benchmarks/plot.py --file shares=benchmarks/out/bench/bench.json --out /tmp/plots
 
 Each input is one JSON file a benchmark or tool wrote under its --out:
@@ -16,8 +16,8 @@ Each input is one JSON file a benchmark or tool wrote under its --out:
   sweep    tools/sweep_single_query_row.py
   dist     tools/train_distributed.py
 
---ref REF reads the raw result files kept on a git branch (DEFAULTS: the newest of each
-benchmark on lab/probes, whose benchmarks/results/ holds every run); --file ROLE=PATH
+--ref REF reads the raw result files kept in git history (DEFAULTS: the newest of each
+benchmark at commit 1a239f8, whose benchmarks/results/ holds every run); --file ROLE=PATH
 reads a file on disk instead, for one role. Roles without a file are left out.
 
 Prints the markdown tables to stdout and writes shares.png and model.png under --out
@@ -287,7 +287,7 @@ def inputs(args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ref", help="read the DEFAULTS result files from this git ref (e.g. lab/probes)")
+    p.add_argument("--ref", help="read the DEFAULTS result files from this git ref (e.g. 1a239f8)")
     p.add_argument("--file", action="append", default=[], metavar="ROLE=PATH",
                    help="a result file on disk for one role (repeat for several)")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out" / "plots",
