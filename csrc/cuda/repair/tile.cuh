@@ -83,7 +83,7 @@ __device__ __forceinline__ void mean_of_keys(float* key_mean, const unsigned cha
   }
 }
 
-// a += b, lane by lane: the narrow tile's partial dQ sums (repair_tile).
+// a += b, lane by lane: the narrow tile's partial dQ sums (write_rows_narrow).
 __device__ __forceinline__ void add4(float4& a, const float4& b) {
   a.x += b.x;
   a.y += b.y;
