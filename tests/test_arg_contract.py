@@ -260,7 +260,8 @@ def vmap_outcome(fn, args, capfd, **kwargs):
 
 
 VMAP_SHAPES = {
-    # 3-D: F.sdpa's math backend, which batches silently
+    # 3-D: up to torch 2.14 F.sdpa's math backend, which batches silently
+    # (2.15 takes its fused CPU kernel there too, and warns as in 4-D)
     "3d": ((N, B * H, L, E), (N, B * H, S, E)),
     # 4-D: on CPU F.sdpa's fused kernel, which has no batching rule and warns
     "4d": ((N, B, H, L, E), (N, B, H, S, E)),
@@ -280,8 +281,8 @@ def test_vmap_as_f_sdpa(ow, capfd, entry, shape, kwargs):
     assert "openwam" not in " ".join(ours_warned) + ours_printed
     if entry != "torch.ops.openwam.sdpa":  # F.sdpa's Python binding turns C++ warnings into Python's
         assert ours_warned == stock_warned
-    if shape == "3d":
-        assert ours_warned == stock_warned == [] and "batching rule" not in ours_printed
+    if not stock_warned and "batching rule" not in stock_printed:  # where stock is silent, so is the op
+        assert ours_warned == [] and "batching rule" not in ours_printed
 
 
 def test_vmap_with_batched_mask_and_gqa(ow, capfd):
