@@ -376,7 +376,7 @@ __device__ __forceinline__ void repair_tile(const TileParams& p, const TileSmem&
   } else if constexpr (kWgmma) {
     walk_keys_wgmma<Elt, kWidth>(t, wt, wr, acc, ds_sum, qf, dof);
   } else {
-    walk_keys_mma<Elt, kWidth, kWgmma>(t, wt, wr, active, acc, ds_sum, qf, dof);
+    walk_keys_mma<Elt, kWidth>(t, wt, wr, active, acc, ds_sum, qf, dof);
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the stages (the narrow sum reuses stage 0)

@@ -2,7 +2,7 @@
 // the shared-memory header the scan fills for each tile (TileHeader), a
 // block's place in its run of items, kept across tiles (RunState), one tile
 // as its phases see it (Tile), a warp's place in it (WarpTile), and the
-// key walk's accumulators (DqAcc, RowFrags).
+// key walk's registers (DqAcc, RowFrags).
 #pragma once
 
 #include <cstdint>
@@ -83,7 +83,6 @@ static_assert(kHeaderWordBytes + kTileThreads / 32 * 8 + sizeof(RunState) <=
 static_assert((kHeaderWordBytes + kTileThreads / 32 * 8) % alignof(RunState) == 0,
               "RunState misaligned");
 
-
 // Key blocks a tile whose last (largest) row is `last_row` walks.
 __device__ __forceinline__ int tile_key_blocks(const TileParams& p, int last_row) {
   const int kv_end = p.causal ? cmin(p.s_kv, last_row + 1) : p.s_kv;
@@ -155,9 +154,9 @@ struct WarpTile {
         do_tile_s(smem_s + layout.do_tile()) {}
 };
 
-// The accumulators of the key walks: dQ of the warp's rows (the fragments
-// of mma.sync and wgmma share a layout) and, for the centred keys, the sum
-// of dS of its two rows.
+// A warp's registers in the key walks: dQ of its rows (DqAcc; the fragments
+// of mma.sync and wgmma share a layout) and its rows of Q and dO (RowFrags,
+// where TileShape::kQInRegs).
 template <int kWidth>
 using DqAcc = float[TileShape<kWidth>::kDTiles][4];
 template <int kWidth>

@@ -80,26 +80,26 @@ __device__ __forceinline__ void walk_keys_narrow(const Tile<TileShape<kWidth>::k
 }
 
 // Phase 4, wide tile on mma.sync: each warp its own 16 rows; a warp past the
-// tile's rows idles (`active`).
-template <class Elt, int kWidth, bool kWgmma>
+// tile's rows idles (`active`). Only kernels without wgmma take it.
+template <class Elt, int kWidth>
 __device__ __forceinline__ void walk_keys_mma(const Tile<TileShape<kWidth>::kChunks>& t,
                                               const WarpTile& wt, const WarpRows& wr, bool active,
                                               DqAcc<kWidth>& acc, float (&ds_sum)[2],
                                               RowFrags<kWidth>& qf, RowFrags<kWidth>& dof) {
   using Shape = TileShape<kWidth>;
-  key_loop<kWgmma>(t, wt.smem_s, [](int) {},
-                   [&](uint32_t stage, const uint16_t* bias_tile, int key_base, auto&& refill) {
-                     refill();
-                     if (active) {
+  key_loop<false>(t, wt.smem_s, [](int) {},
+                  [&](uint32_t stage, const uint16_t* bias_tile, int key_base, auto&& refill) {
+                    refill();
+                    if (active) {
 #pragma unroll
-                       for (int part = 0; part < kKeyBlock / (8 * Shape::kWideNT); ++part) {
-                         warp_key_block<Elt, kWidth, Shape::kWideNT>(
-                             acc, ds_sum, qf, dof, wt.q_tile_s, wt.do_tile_s, stage, bias_tile,
-                             t.layout.kv_tile_bytes(), wt.row0, part * 8 * Shape::kWideNT,
-                             key_base, t.p.scale_log2, wr, wt.lc, wt.lane);
-                       }
-                     }
-                   });
+                      for (int part = 0; part < kKeyBlock / (8 * Shape::kWideNT); ++part) {
+                        warp_key_block<Elt, kWidth, Shape::kWideNT>(
+                            acc, ds_sum, qf, dof, wt.q_tile_s, wt.do_tile_s, stage, bias_tile,
+                            t.layout.kv_tile_bytes(), wt.row0, part * 8 * Shape::kWideNT,
+                            key_base, t.p.scale_log2, wr, wt.lc, wt.lane);
+                      }
+                    }
+                  });
 }
 
 // Phase 4, wide tile on wgmma (sm_90a, head_dim <= 128): the 4 warps as one

@@ -1,6 +1,6 @@
 // The emulated kernels' test harness: run_case builds a case's inputs (a
 // float64 forward for the logsumexp and output, dQ with sentinels), runs the
-// dQ-row repair's kernels (csrc/cuda/repair/{scan,tile}*.cuh, their real
+// dQ-row repair's kernels (csrc/cuda/repair/{scan,run,tile}*.cuh, their real
 // source) through simt_emu.h behind a grid that writes dQ late, and checks
 // against a float64 reference: rows below the threshold recomputed, -inf
 // rows zeroed, other rows bit-identical, the telemetry count, no bank

@@ -6,8 +6,8 @@
 // for the mma; delta taken from the fp16 output) reaches dQ multiplied by
 // that shared component. test_repair_kernels.cpp cannot see this: its
 // reference (repair_case.h) rounds dS like the kernel and its error is
-// relative to the size of the summed terms. Here the reference is exact (float64 o, P and dS) and
-// the error is in fp16 ulps of the row's largest dQ. head_dim 96: a padded
+// relative to the size of the summed terms. Here the reference is exact
+// (float64 o, P and dS) and the error is in fp16 ulps of the row's largest dQ. head_dim 96: a padded
 // width (128), keys 146: a partial third key block; head 0 lists 64 rows (a
 // wide tile), head 1 eight (a narrow tile: four warps' partial sums).
 #include "simt_emu.h"  // first: it stands in for the CUDA features
