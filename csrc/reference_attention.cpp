@@ -4,7 +4,6 @@
 #include <limits>
 
 #include "cudnn_attention.h"
-#include "repair_dq.h"
 
 namespace openwam {
 namespace {
@@ -85,23 +84,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reference_backward(
   return {at::empty_like(query).copy_(dq),
           at::empty_like(key).copy_(reduce_heads(dk, key.size(1))),
           at::empty_like(value).copy_(reduce_heads(dv, value.size(1)))};
-}
-
-void reference_repair_dq(at::Tensor& grad_query, const at::Tensor& grad_out,
-                         const at::Tensor& query, const at::Tensor& key,
-                         const at::Tensor& value, const at::Tensor& out,
-                         const at::Tensor& logsumexp, const at::Tensor& bias,
-                         bool is_causal, double scale) {
-  TORCH_CHECK(grad_query.dim() == 4 && grad_query.sizes() == query.sizes(),
-              "openwam::_repair_dq_: grad_query must have query's shape ",
-              query.sizes(), ", got ", grad_query.sizes());
-  const Scores r = scores(query, key, value, bias, is_causal, scale, logsumexp, at::kDouble);
-  const at::Tensor go = grad_out.to(at::kDouble);
-  const at::Tensor delta = (go * out.to(at::kDouble)).sum(-1, /*keepdim=*/true);
-  const at::Tensor ds = r.probs * (at::matmul(go, r.value.transpose(-1, -2)) - delta);
-  const at::Tensor dq = at::matmul(ds, r.key) * scale;
-  const at::Tensor repaired = r.logsumexp < static_cast<double>(kRepairLseThreshold);
-  grad_query.copy_(at::where(repaired, dq, grad_query.to(at::kDouble)));
 }
 
 }  // namespace openwam

@@ -25,11 +25,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reference_backward(
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
     const at::Tensor& bias, bool is_causal, std::optional<double> scale);
 
-// The dQ-row repair (repair_dq.h) in float64: what the CUDA kernel must write.
-void reference_repair_dq(at::Tensor& grad_query, const at::Tensor& grad_out,
-                         const at::Tensor& query, const at::Tensor& key,
-                         const at::Tensor& value, const at::Tensor& out,
-                         const at::Tensor& logsumexp, const at::Tensor& bias,
-                         bool is_causal, double scale);
-
 }  // namespace openwam

@@ -12,10 +12,10 @@ namespace openwam {
 enum class CudnnPreference { kFollowPyTorch, kPrefer, kNever };
 
 // OPENWAM_SDPA_PAD: auto (default) = the guard table decides which calls need
-// a fix and the cheapest exact fix is used; always = pad K/V to a multiple of
-// 128 on every differentiated cuDNN call (inside the backward; with dropout,
-// forward and backward); never = no fix at all (stock behaviour, for
-// measuring). Rules that keep a call off cuDNN (a crash) hold in every mode.
+// a fix; always = every differentiated cuDNN backward takes the fix (cuDNN's
+// padding mask; on the ATen fallback, K/V padded to a multiple of 128); never
+// = no fix at all (stock behaviour, for measuring). Rules that keep a call off
+// cuDNN (a crash) hold in every mode.
 enum class PadMode { kAuto, kAlways, kNever };
 
 struct Settings {

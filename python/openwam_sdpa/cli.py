@@ -187,7 +187,7 @@ def explain(call):
                 f"the guard table for cuDNN {doctor.minor_str(shipped)} (what torch "
                 f"{torch.__version__.split('+')[0]} ships, {status}): the key-tail dQ defect "
                 f"{'hits' if hit else 'does not hit'} kv_len {call['kv_len']} at head_dim "
-                f"{call['head_dim']}" + ("; on the cuDNN path the op repairs it" if hit else ""))
+                f"{call['head_dim']}" + ("; on the cuDNN path the op fixes it" if hit else ""))
     return answer
 
 
