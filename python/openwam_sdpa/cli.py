@@ -1,5 +1,8 @@
 """The command line, `python -m openwam_sdpa COMMAND`: doctor, explain, guards.
 
+What prints is here; doctor.py gathers the doctor's facts and verdict (and
+imports nothing of this module).
+
 Exit codes mean one thing each, whatever the command (EXIT_CODES below):
 argparse's 2 is the usage error, so the doctor's verdicts use 0, 1 and 3.
 """
@@ -291,6 +294,21 @@ def run_guards(args):
     return doctor.EXIT_OK
 
 
+# ------------------------------------------------------------------ doctor
+
+
+def run_doctor(as_json=False):
+    """Diagnose, print the report (or JSON) and the verdict; the exit code."""
+    facts = doctor.collect_facts()
+    line, code = doctor.verdict(facts)
+    if as_json:
+        print(json.dumps(dict(facts, verdict=line, exit_code=code), indent=1, default=str))
+    else:
+        print(doctor.format_report(facts))
+        print(f"verdict: {line}")
+    return code
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -303,7 +321,7 @@ def main(argv=None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     if args.command == "doctor":
-        return doctor.run(as_json=args.json)
+        return run_doctor(as_json=args.json)
     if args.command == "explain":
         return run_explain(args)
     return run_guards(args)
