@@ -101,6 +101,26 @@ def test_doctor_runs_through_the_cli(capsys):
     assert code == facts["exit_code"] == doctor.EXIT_OK and facts["gpu"] is None
 
 
+def test_json_lists_numbers_on_one_line():
+    obj = {"remainders": list(range(1, 128)), "empty": [], "nested": {"floats": [-1.5, 2e-07, 3.0]},
+           "pairs": [[1, 2], [3]]}
+    text = cli.to_json(obj)
+    assert json.loads(text) == obj
+    for line in text.splitlines():  # no number stands on a line of its own
+        assert not re.fullmatch(r"\s*-?\d[\d.eE+-]*,?", line), text
+    assert ' "remainders": [1, 2, 3, ' in text and '"floats": [-1.5, 2e-07, 3.0]' in text
+
+
+def test_json_leaves_other_lists_and_strings_as_they_are():
+    """Only lists of numbers alone are joined: a string that looks like one
+    (JSON escapes its newlines) and a list holding anything else keep
+    json.dumps' own layout."""
+    obj = {"mixed": [1, "two", [3, 4]], "text": "[\n 1,\n 2\n]", "inf": [float("inf"), 1]}
+    text = cli.to_json(obj)
+    assert json.loads(text) == obj
+    assert '"mixed": [\n  1,\n  "two",\n  [3, 4]\n ]' in text
+
+
 # ------------------------------------------------------------------ explain
 
 

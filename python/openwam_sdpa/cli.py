@@ -9,6 +9,7 @@ argparse's 2 is the usage error, so the doctor's verdicts use 0, 1 and 3.
 
 import argparse
 import json
+import re
 import sys
 
 import torch
@@ -33,6 +34,18 @@ ROUTES = {
     "pytorch_without_cudnn": "PyTorch's F.scaled_dot_product_attention with cuDNN off for the call",
     "math": "PyTorch's math backend (an input is empty, or vmap on CUDA)",
 }
+
+
+# A list of numbers as json.dumps(indent=1) lays it out, one number a line.
+# Its newlines mark it: JSON strings cannot hold a raw newline.
+_NUMBER_LIST = re.compile(r"\[\n\s*(-?\d[\d.eE+-]*(?:,\n\s*-?\d[\d.eE+-]*)*)\n\s*\]")
+
+
+def to_json(obj):
+    """Indented JSON, with each list of numbers on one line (the doctor's
+    127 key-tail remainders would take 127 lines)."""
+    text = json.dumps(obj, indent=1, default=str)
+    return _NUMBER_LIST.sub(lambda m: "[" + re.sub(r",\n\s*", ", ", m.group(1)) + "]", text)
 
 
 def version_text():
@@ -228,7 +241,7 @@ def run_explain(args):
         parser.error("--causal with --mask: F.scaled_dot_product_attention rejects an "
                      "attn_mask with is_causal=True; give one of them")
     answer = explain(explain_call(args))
-    print(json.dumps(answer, indent=1) if args.json else format_explain(answer))
+    print(to_json(answer) if args.json else format_explain(answer))
     return doctor.EXIT_OK
 
 
@@ -290,7 +303,7 @@ def format_guards(t):
 
 def run_guards(args):
     table = guard_table(args.cudnn)
-    print(json.dumps(table, indent=1) if args.json else format_guards(table))
+    print(to_json(table) if args.json else format_guards(table))
     return doctor.EXIT_OK
 
 
@@ -302,7 +315,7 @@ def run_doctor(as_json=False):
     facts = doctor.collect_facts()
     line, code = doctor.verdict(facts)
     if as_json:
-        print(json.dumps(dict(facts, verdict=line, exit_code=code), indent=1, default=str))
+        print(to_json(dict(facts, verdict=line, exit_code=code)))
     else:
         print(doctor.format_report(facts))
         print(f"verdict: {line}")
