@@ -1,4 +1,4 @@
-"""F.sdpa's scalar arguments, read as PyTorch's argument parser reads them.
+"""F.sdpa's arguments, read as PyTorch's argument parser reads them.
 
 F.sdpa's parser (torch/csrc/utils/python_arg_parser.cpp) takes for a `float`
 (dropout_p, scale) a Python float or int (bool included), a NumPy number, a
@@ -9,9 +9,17 @@ None as False and a tensor as its truth value) and their errors print the
 arguments, tensors' contents included. So the Python entry points pass the op
 only what F.sdpa would take, and hand anything else to F.sdpa itself, which
 raises its own TypeError.
+
+The same for the call as a whole: Python's binding words a missing argument,
+a surplus one and an unknown keyword its own way and names the Python
+function, so the entry points take them (REQUIRED, *extra, **unknown) and
+pass the call on to F.sdpa (call_misbound), keeping F.sdpa's SIGNATURE for
+inspect.
 """
 
+import inspect
 import sys
+from typing import Optional
 
 import torch
 
@@ -57,3 +65,38 @@ def keywords(dropout_p, is_causal, scale, enable_gqa) -> dict:
     and says nothing untrue for the other."""
     return {"dropout_p": dropout_p, "is_causal": is_causal, "scale": scale,
             "enable_gqa": enable_gqa}
+
+
+def _signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+               is_causal: bool = False, *, scale: Optional[float] = None,
+               enable_gqa: bool = False) -> torch.Tensor:
+    """F.sdpa's signature (its builtin has none that inspect can read)."""
+
+
+SIGNATURE = inspect.signature(_signature)
+
+
+class _Required:
+    """The default of an argument F.sdpa requires: the call left it out."""
+
+    def __repr__(self):
+        return "<required>"
+
+
+REQUIRED = _Required()
+
+
+def call_misbound(pytorch_sdpa, query, key, value, attn_mask, dropout_p, is_causal, extra,
+                  scale, enable_gqa, unknown):
+    """F.sdpa called as the caller called the entry point, for a call that
+    misses query, key or value, passes more than six arguments by position
+    or an unknown keyword: F.sdpa's parser raises the TypeError, worded as
+    this torch release words it."""
+    if extra:  # all six were passed by position
+        return pytorch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, *extra,
+                            scale=scale, enable_gqa=enable_gqa, **unknown)
+    present = {name: t for name, t in (("query", query), ("key", key), ("value", value))
+               if t is not REQUIRED}
+    return pytorch_sdpa(**present, attn_mask=attn_mask, dropout_p=dropout_p,
+                        is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, **unknown)
