@@ -61,7 +61,7 @@ CASES = {
     "value_device": call(v=lambda: v_().to(META)),
     "query_device": call(q=lambda: q_().to(META)),
     # (A meta mask with CPU inputs is left out: F.sdpa returns uninitialised
-    # memory for it, so there is no result to compare.)
+    # memory for it, where the op raises; test_arg_contract.py.)
     # ranks
     "query_1d": call(lambda: q_(E), lambda: k_(S, E), lambda: v_(S, E)),
     "query_0d": call(lambda: torch.tensor(1.0, dtype=F64), lambda: torch.tensor(1.0, dtype=F64),
