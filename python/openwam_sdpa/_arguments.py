@@ -47,6 +47,70 @@ def _takes_bool(value) -> bool:
     return type(value) is bool or isinstance(value, torch.SymBool)
 
 
+def _takes_int(value) -> bool:
+    # An int (not a bool), a NumPy integer, a 0-dim integer tensor, a SymInt.
+    if isinstance(value, int):
+        return not isinstance(value, bool)
+    if isinstance(value, torch.SymInt):
+        return True
+    if isinstance(value, _Tensor):
+        return (value.dim() == 0 and not value.requires_grad and not value.is_floating_point()
+                and not value.is_complex() and value.dtype is not torch.bool)
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.integer)
+
+
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE
+
+
+def _type_name(value) -> str:
+    """The name the parser prints for value's type (CPython's tp_name): a
+    class defined in Python by its name, a C type by its dotted name
+    (numpy.float64)."""
+    cls = type(value)
+    if cls.__flags__ & _HEAP_TYPE or cls.__module__ == "builtins":
+        return cls.__name__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+_INT64 = range(-(2**63), 2**63)
+
+
+def _as_int(value):
+    if isinstance(value, torch.SymInt) or (type(value) is int and torch.compiler.is_compiling()):
+        return value  # symbolic while traced: its range is the tracer's
+    value = int(value)
+    if value not in _INT64:
+        torch.tensor(value)  # raises the parser's ValueError (its unpacking of an int64)
+    return value
+
+
+# kind -> (what it takes, its conversion, its name in the parser's messages)
+_KINDS = {
+    "Tensor": (lambda v: isinstance(v, _Tensor), lambda v: v, "Tensor"),
+    "int": (_takes_int, _as_int, "int"),
+    "float": (_takes_float, _as_float, "float"),
+    "float?": (lambda v: v is None or _takes_float(v),
+               lambda v: None if v is None else _as_float(v), "float"),
+    "bool": (_takes_bool, lambda v: v, "bool"),
+}
+
+
+def parse(function: str, arguments) -> list:
+    """(name, value, kind) triples read as PyTorch's parser reads an op's
+    arguments of these kinds: the values converted, or for the first it
+    refuses a TypeError in its words, naming `function` (as passed by
+    keyword: no position note)."""
+    values = []
+    for name, value, kind in arguments:
+        takes, convert, type_name = _KINDS[kind]
+        if not takes(value):
+            raise TypeError(f"{function}(): argument '{name}' must be {type_name}, "
+                            f"not {_type_name(value)}")
+        values.append(convert(value))
+    return values
+
+
 def scalars(dropout_p, is_causal, scale, enable_gqa):
     """(dropout_p, scale) as the op's float arguments, or None where F.sdpa
     rejects one of the four: the caller then calls F.sdpa for its error."""
