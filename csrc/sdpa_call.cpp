@@ -25,7 +25,42 @@ bool passes_pytorch_validation(const SdpaCall& c) {
   return true;
 }
 
+namespace {
+
+// Whether the mask broadcasts to the scores [..., L, S]: the masks stock
+// serves. Read only for a mask on another device, so that no size guard is
+// installed on the common call.
+bool broadcasts_to_scores(const at::Tensor& mask, const at::Tensor& q, const at::Tensor& k) {
+  const int64_t n = mask.dim();
+  if (n < 2 || n > q.dim()) return false;
+  for (int64_t i = 1; i <= n; ++i) {
+    const c10::SymInt& m = mask.sym_size(-i);
+    const c10::SymInt& scores = i == 1 ? k.sym_size(-2) : q.sym_size(-i);
+    if (m != 1 && m != scores) return false;
+  }
+  return true;
+}
+
+// A mask on a device other than the query's: stock's fused kernels, on the
+// CPU and on CUDA, take a meta mask and return garbage without an error;
+// where stock raises (a CPU mask with CUDA inputs), it raises this device
+// check, naming its kernel. Masks stock rejects for their shape keep its error.
+void check_mask_device(const SdpaCall& c) {
+  if (!c.attn_mask.has_value()) return;
+  const at::Tensor& mask = *c.attn_mask;
+  const at::Tensor& q = c.query;
+  if (mask.device() == q.device()) return;
+  if (!passes_pytorch_validation(c) || !broadcasts_to_scores(mask, q, c.key)) return;
+  // Worded as PyTorch's own device check (c10's common_device_check_failure).
+  TORCH_CHECK(false, "Expected all tensors to be on the same device, but got attn_mask is on ",
+              mask.device(), ", different from other tensors on ", q.device(),
+              " (when checking argument in method openwam::sdpa)");
+}
+
+}  // namespace
+
 void check_call(const SdpaCall& c) {
+  check_mask_device(c);
   // Key and value of different lengths: PyTorch's math backend rejects them
   // (its bmm), but its fused CPU kernel (torch 2.13) takes the key length for
   // value's and reads past value's end, returning garbage.

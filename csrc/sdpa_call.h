@@ -29,8 +29,9 @@ struct SdpaCall {
 bool passes_pytorch_validation(const SdpaCall& call);
 
 // The op's checks beyond F.sdpa's, for calls on which stock reads out of
-// bounds instead of raising; calls PyTorch rejects first are left to it.
-// Raises c10::Error (RuntimeError) naming the op and the sizes.
+// bounds instead of raising (value shorter than key, a mask on another
+// device); calls PyTorch rejects first are left to it. Raises c10::Error
+// (RuntimeError) naming the op and the sizes or devices.
 void check_call(const SdpaCall& call);
 
 // The sizes of a call the cuDNN path can take (3-D counts as one head).

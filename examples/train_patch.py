@@ -124,7 +124,9 @@ def main():
     torch.manual_seed(0)
     model = TinyLM(args.vocab, args.dim, args.heads, args.layers).to(device)
     batch = left_padded_batch(args.batch, args.seq, args.vocab, device)
-    print(f"patch() ({args.route}) on {device}: batch {args.batch} x {args.seq} tokens, left-padded")
+    attention = {"with": "with openwam_sdpa.patch():", "global": "openwam_sdpa.patch()",
+                 "stock": "stock F.scaled_dot_product_attention (not patched)"}[args.route]
+    print(f"{attention} on {device}: batch {args.batch} x {args.seq} tokens, left-padded")
     openwam_sdpa.repaired_rows(reset=True)
     if args.route == "global":
         openwam_sdpa.patch()

@@ -15,6 +15,10 @@
   value's end and returns garbage (torch 2.13). The op raises a RuntimeError
   naming both lengths. Other shape mismatches are left to PyTorch, which
   serves them correctly: the op returns what PyTorch's math backend returns.
+- A mask on another device than the query's: F.sdpa's fused CPU kernel reads
+  a meta mask's missing memory and returns garbage (torch 2.13). The op
+  raises a RuntimeError worded as PyTorch's own device check, naming both
+  devices; a mask F.sdpa refuses for its shape keeps F.sdpa's error.
 """
 
 from __future__ import annotations
@@ -459,3 +463,70 @@ def test_other_shape_mismatches_as_math_backend(ow, case, dtype):
     tol = 1e-12 if dtype == F64 else 1e-5
     for fn in (ow.sdpa, torch.ops.openwam.sdpa):
         torch.testing.assert_close(fn(*args, **kwargs), expected, atol=tol, rtol=tol)
+
+
+# --------------------------------------------------------------------------
+# Safer than F.sdpa: a mask on another device than the query's
+# --------------------------------------------------------------------------
+
+# A meta mask stands in for one on another device (this machine has only the CPU).
+MASK_DEVICE_CASES = {
+    "4d_bool": (lambda: (q_(), k_(), v_()), lambda: torch.ones(L, S, dtype=torch.bool)),
+    "4d_additive": (lambda: (q_(), k_(), v_()), lambda: torch.zeros(B, 1, L, S, dtype=F64)),
+    "4d_float32": (lambda: (q_(dtype=torch.float32), k_(dtype=torch.float32),
+                            v_(dtype=torch.float32)), lambda: torch.zeros(B, H, L, S)),
+    "4d_key_padding": (lambda: (q_(), k_(), v_()), lambda: torch.ones(B, 1, 1, S, dtype=torch.bool)),
+    "4d_grad": (lambda: (q_(requires_grad=True), k_(), v_()),
+                lambda: torch.ones(L, S, dtype=torch.bool)),
+    "4d_gqa": (lambda: (q_(B, 4, L, E), k_(B, 2, S, E), v_(B, 2, S, E)),
+               lambda: torch.ones(B, 4, L, S, dtype=torch.bool)),
+    "3d": (lambda: (q_(B, L, E), k_(B, S, E), v_(B, S, E)), lambda: torch.ones(L, S, dtype=torch.bool)),
+}
+
+
+@pytest.mark.parametrize("entry", ALL_ENTRIES)
+@pytest.mark.parametrize("case", MASK_DEVICE_CASES)
+def test_mask_on_another_device_raises(ow, entry, case):
+    make, mask = MASK_DEVICE_CASES[case]
+    args = make()
+    kwargs = {"enable_gqa": True} if case.endswith("gqa") else {}
+    with pytest.raises(RuntimeError) as info:
+        ALL_ENTRIES[entry](ow)(*args, mask().to("meta"), **kwargs)
+    # Worded as PyTorch's own device check (c10's, on CUDA: "Expected all tensors
+    # to be on the same device, but got attn_bias is on cpu, different from
+    # other tensors on cuda:0 (when checking argument in method ...)").
+    assert str(info.value) == ("Expected all tensors to be on the same device, but got attn_mask "
+                               "is on meta, different from other tensors on cpu (when checking "
+                               "argument in method openwam::sdpa)"), str(info.value)
+    # The same call with the mask on the query's device is served.
+    assert ALL_ENTRIES[entry](ow)(*args, mask(), **kwargs) is not None
+
+
+def test_mask_on_another_device_is_what_f_sdpa_misreads():
+    """The premise: F.sdpa's fused CPU kernel takes a meta mask and returns
+    without an error (reading memory that holds no mask). On a torch that
+    refuses it itself the op's check is only redundant: then this skips."""
+    make, mask = MASK_DEVICE_CASES["4d_bool"]
+    kind, message = outcome(F_SDPA, *make(), mask().to("meta"))
+    if kind != "ok":
+        pytest.skip(f"this torch's F.sdpa refuses the call itself: {message}")
+
+
+# Masks F.sdpa refuses for their shape keep its error, on any device.
+MISSHAPEN_MASKS = {
+    "0d": lambda: torch.tensor(True),
+    "1d": lambda: torch.ones(S, dtype=torch.bool),
+    "5d": lambda: torch.ones(1, B, H, L, S, dtype=torch.bool),
+    "key_dim": lambda: torch.ones(B, H, L, S + 1, dtype=torch.bool),
+    "query_dim": lambda: torch.ones(L + 2, S, dtype=torch.bool),
+    "batch_dim": lambda: torch.zeros(3, 1, 1, S, dtype=F64),
+}
+
+
+@pytest.mark.parametrize("case", MISSHAPEN_MASKS)
+def test_misshapen_mask_on_another_device_keeps_f_sdpa_error(ow, case):
+    mask = MISSHAPEN_MASKS[case]().to("meta")
+    expected = outcome(F_SDPA, q_(), k_(), v_(), mask)
+    assert expected[0] != "ok", expected
+    for fn in (ow.sdpa, torch.ops.openwam.sdpa):
+        assert outcome(fn, q_(), k_(), v_(), mask) == expected

@@ -101,6 +101,26 @@ def test_doctor_runs_through_the_cli(capsys):
     assert code == facts["exit_code"] == doctor.EXIT_OK and facts["gpu"] is None
 
 
+def test_json_lists_numbers_on_one_line():
+    obj = {"remainders": list(range(1, 128)), "empty": [], "nested": {"floats": [-1.5, 2e-07, 3.0]},
+           "pairs": [[1, 2], [3]]}
+    text = cli.to_json(obj)
+    assert json.loads(text) == obj
+    for line in text.splitlines():  # no number stands on a line of its own
+        assert not re.fullmatch(r"\s*-?\d[\d.eE+-]*,?", line), text
+    assert ' "remainders": [1, 2, 3, ' in text and '"floats": [-1.5, 2e-07, 3.0]' in text
+
+
+def test_json_leaves_other_lists_and_strings_as_they_are():
+    """Only lists of numbers alone are joined: a string that looks like one
+    (JSON escapes its newlines) and a list holding anything else keep
+    json.dumps' own layout."""
+    obj = {"mixed": [1, "two", [3, 4]], "text": "[\n 1,\n 2\n]", "inf": [float("inf"), 1]}
+    text = cli.to_json(obj)
+    assert json.loads(text) == obj
+    assert '"mixed": [\n  1,\n  "two",\n  [3, 4]\n ]' in text
+
+
 # ------------------------------------------------------------------ explain
 
 
@@ -189,13 +209,117 @@ def test_explain_report(capsys):
 @pytest.mark.parametrize("args,message", [
     (["--causal", "--mask", "bool"], "rejects an attn_mask with is_causal=True"),
     (["--heads", "6", "--kv-heads", "4"], "--heads (6) must be a multiple of --kv-heads (4)"),
-    (["--q-len", "-3"], "must be at least 1, got -3"),
+    (["--q-len", "-3"], "argument --q-len: expected a positive integer (1, 2, ...), got '-3'"),
+    (["--batch", "x"], "argument --batch: expected a positive integer (1, 2, ...), got 'x'"),
+    (["--batch", "2.5"], "argument --batch: expected a positive integer (1, 2, ...), got '2.5'"),
     (["--mask", "float"], "invalid choice"),
 ])
 def test_explain_argument_errors(capsys, args, message):
     code, _, err = run_main(capsys, "explain", *args)
     assert code == cli.EXIT_USAGE and message in err, err
     assert "usage: python -m openwam_sdpa explain" in err
+    assert "positive_int" not in err  # argparse names the type function where it fails
+
+
+@pytest.mark.parametrize("command", ["doctor", "explain", "guards"])
+def test_every_option_has_help(capsys, command):
+    import argparse
+
+    commands = next(a for a in cli.build_parser()._actions
+                    if isinstance(a, argparse._SubParsersAction))
+    for action in commands.choices[command]._actions:
+        assert action.help, (command, action.option_strings)
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    if command == "explain":
+        assert re.search(r"^  --batch N +batch size", capsys.readouterr().out, re.M)
+
+
+EXPLAINED = ["--batch", "2", "--heads", "2", "--q-len", "3", "--head-dim", "8", "--dtype", "fp32",
+             "--device", "cpu"]
+
+
+def f_sdpa_outcome(**scalars):
+    """F.sdpa's own outcome for a call of EXPLAINED's shapes on the CPU."""
+    q = torch.randn(2, 2, 3, 8)
+    try:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, **scalars)
+    except Exception as e:  # noqa: BLE001 - its error, whatever the type
+        return e
+    return None
+
+
+@pytest.mark.parametrize("dropout", ["1.5", "-1", "nan", "1.0000001"])
+def test_explain_refuses_a_dropout_f_sdpa_refuses(capsys, dropout):
+    error = f_sdpa_outcome(dropout_p=float(dropout))
+    assert isinstance(error, RuntimeError), f"F.sdpa takes dropout_p={dropout} here: {error}"
+    code, out, err = run_main(capsys, "explain", *EXPLAINED, "--dropout", dropout)
+    assert code == cli.EXIT_USAGE and out == "", err
+    assert err.rstrip().endswith(
+        f"error: F.scaled_dot_product_attention rejects dropout_p={float(dropout)}: {error}"), err
+
+
+@pytest.mark.parametrize("args,scalars", [
+    (["--scale", "nan"], {"scale": float("nan")}),
+    (["--scale", "-2"], {"scale": -2.0}),
+    (["--dropout", "1"], {"dropout_p": 1.0}),
+    (["--dropout", "0.25", "--causal"], {"dropout_p": 0.25, "is_causal": True}),
+])
+def test_explain_takes_what_f_sdpa_takes(capsys, args, scalars):
+    assert f_sdpa_outcome(**scalars) is None  # F.sdpa takes them
+    code, out, err = run_main(capsys, "explain", *EXPLAINED, *args, "--json")
+    assert code == 0, err
+    call = json.loads(out)["call"]
+    assert call["dropout"] == scalars.get("dropout_p", 0.0)
+
+
+def explained_rules(capsys, *args):
+    got = explain_json(capsys, "--device", "cuda", "--head-dim", "96", *args)
+    rules, notes = got["shipped_cudnn_rules"], got["notes"]
+    for name in rules:  # the note names every rule that covers the call
+        assert sum(name + " covers this call" in n for n in notes) == 1, (name, notes)
+    return set(rules), notes
+
+
+@NO_GPU
+def test_explain_for_cuda_without_a_gpu_names_every_rule_that_covers_the_call(capsys):
+    """Batch 1 with one query row: the one-query-row rows cover the call as
+    well as the key-tail ones; they go away at batch 2 or with two query
+    rows, and no rule applies without gradients."""
+    shipped = doctor.shipped_cudnn(torch.__version__)
+    if shipped is None:
+        pytest.skip(f"torch {torch.__version__} ships no known cuDNN")
+    one_row, _ = explained_rules(capsys, "--batch", "1", "--q-len", "1", "--kv-len", "320")
+    batch_2, _ = explained_rules(capsys, "--batch", "2", "--q-len", "1", "--kv-len", "320")
+    two_rows, _ = explained_rules(capsys, "--batch", "1", "--q-len", "2", "--kv-len", "320")
+    assert batch_2 == two_rows and batch_2 < one_row, (one_row, batch_2, two_rows)
+    in_range = {r["name"] for r in openwam_sdpa.guard_rules()
+                if r["first_version"] <= shipped < r["end_version"]}
+    assert one_row <= in_range
+    # The key-tail rows are the ones the table's key-tail query names.
+    key_tail = openwam_sdpa.key_tail_defect(shipped, 320, 96)
+    assert bool(batch_2) == key_tail
+    tile, _ = explained_rules(capsys, "--batch", "1", "--q-len", "1", "--kv-len", "384")
+    assert tile == one_row - batch_2  # s_kv % 128 == 0: the key-tail rows go, the others stay
+    none, notes = explained_rules(capsys, "--batch", "1", "--q-len", "1", "--kv-len", "320",
+                                  "--inference")
+    assert none == set() and any("no rule applies to a call without gradients" in n for n in notes)
+
+
+@pytest.mark.parametrize("batch,q_len,kv_len", [(1, 1, 320), (1, 1, 384), (2, 1, 320), (1, 2, 704)])
+@pytest.mark.parametrize("cudnn", [91900, 92000, 92600, 92700])
+def test_guard_hits_agree_with_the_tables_own_queries(batch, q_len, kv_len, cudnn):
+    """The rows guard_hits names for a call agree with key_tail_defect, the
+    table's own key-tail query, and lie in their version ranges."""
+    from openwam_sdpa import _C
+
+    q = torch.empty(batch, 8, q_len, 128, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    k = torch.empty(batch, 8, kv_len, 128, dtype=torch.bfloat16, device="meta")
+    names = _C.guard_hits(q, k, k, None, 0.0, False, None, False, cudnn)
+    rows = {r["name"]: r for r in openwam_sdpa.guard_rules()}
+    assert all(rows[n]["first_version"] <= cudnn < rows[n]["end_version"] for n in names)
+    assert any(n.startswith("key_tail") for n in names) == openwam_sdpa.key_tail_defect(
+        cudnn, kv_len, 128)
 
 
 # ------------------------------------------------------------------ guards

@@ -45,6 +45,13 @@ def test_doctor_json():
     assert facts["known_pair"]["shipped"] == doctor.shipped_cudnn(torch.__version__)
     assert facts["coverage"]["status"] in ("none", "measured", "conservative", "fixed", "unverified")
     assert "left_padding_nonfinite" not in facts
+    # A list of numbers takes one line (the conservative rule's remainders
+    # 1..127 would take 127).
+    remainders = facts["coverage"]["remainders"]
+    lines = r.stdout.splitlines()
+    assert all(not line.strip().rstrip(",").lstrip("-").isdigit() for line in lines), r.stdout
+    if remainders:
+        assert f'"remainders": {json.dumps(remainders)}' in r.stdout
 
 
 def test_exit_codes_are_distinct_and_leave_argparse_its_2():

@@ -104,7 +104,13 @@ def test_hf_example_without_transformers_says_how_to_install(monkeypatch):
 def test_patch_example(route, monkeypatch, capsys):
     out, left_patched = run_example(
         "train_patch.py", [*TINY, "--dim", "64", "--heads", "2", "--route", route], monkeypatch, capsys)
-    assert out.startswith(f"patch() ({route}) on cpu:"), out
+    # The header says what routes the calls; stock runs no patch().
+    header = out.splitlines()[0]
+    assert header.endswith(" on cpu: batch 3 x 40 tokens, left-padded"), header
+    assert ("patch()" in header) == (route != "stock"), header
+    assert header.startswith({"with": "with openwam_sdpa.patch():",
+                              "global": "openwam_sdpa.patch()",
+                              "stock": "stock F.scaled_dot_product_attention"}[route]), header
     assert_trains(out)
     # patch() stays on; `with openwam_sdpa.patch():` restores on exit.
     assert left_patched == (route == "global")

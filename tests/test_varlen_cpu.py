@@ -376,3 +376,138 @@ def test_block_diagonal_fallback_with_empty_inputs(monkeypatch, lens_q, lens_k):
         openwam_sdpa.varlen_settings(reload=True)
     assert out.shape == (sum(lens_q), 3, 16) and not out.any()
     assert all(g.shape == t.shape and not g.any() for g, t in zip(grads, (q, k, v)))
+
+
+# --------------------------------------------------------------------------
+# Argument types: read as PyTorch's parser reads arguments of the same types
+# --------------------------------------------------------------------------
+
+def _numpy_values():
+    try:
+        import numpy as np
+    except ImportError:
+        return {}
+    return {"numpy_float32": lambda: np.float32(0.25), "numpy_int64": lambda: np.int64(5),
+            "numpy_bool": lambda: np.bool_(True), "numpy_0d_array": lambda: np.array(5)}
+
+
+VALUES = {
+    "none": lambda: None,
+    "true": lambda: True,
+    "false": lambda: False,
+    "int_0": lambda: 0,
+    "int_1": lambda: 1,
+    "int_5": lambda: 5,
+    "float": lambda: 0.25,
+    "float_10": lambda: 10.0,
+    "huge_int": lambda: 10**400,
+    "str": lambda: "x",
+    "list": lambda: [0, 4, 6],
+    "complex": lambda: 0.25j,
+    "tensor_0d": lambda: torch.tensor(0.25),
+    "tensor_0d_int": lambda: torch.tensor(5),
+    "tensor_0d_bool": lambda: torch.tensor(True),
+    "tensor_1d": lambda: torch.tensor([0, 4, 6], dtype=torch.int32),
+    "tensor_requires_grad": lambda: torch.tensor(0.25, requires_grad=True),
+    **_numpy_values(),
+}
+
+
+def _outcome(fn, *args, **kwargs):
+    try:
+        return ("ok", fn(*args, **kwargs))
+    except Exception as e:  # noqa: BLE001 - any exception is compared
+        return (type(e), str(e))
+
+
+_Q = torch.zeros(1, 1, 2, 8)
+
+
+def parser_outcome(kind, value):
+    """PyTorch's own parser on `value` for an argument of this kind, by keyword:
+    F.sdpa's for Tensor, bool and float, Tensor.unfold's size for int. The
+    message's function and argument names as placeholders."""
+    if kind == "int":
+        kind_of, msg = _outcome(torch.ones(4).unfold, dimension=0, size=value, step=1)
+        fn, name = "unfold", "size"
+    else:
+        call = {"Tensor": dict(query=value, key=_Q, value=_Q), "bool": dict(is_causal=value),
+                "float": dict(dropout_p=value), "float?": dict(scale=value)}[kind]
+        args = () if kind == "Tensor" else (_Q, _Q, _Q)
+        kind_of, msg = _outcome(F.scaled_dot_product_attention, *args, **call)
+        fn, name = "scaled_dot_product_attention", next(iter(call))
+    if kind_of == "ok":
+        return "ok", None
+    return kind_of, msg.replace(f"{fn}()", "{fn}()").replace(f"'{name}'", "'{arg}'")
+
+
+def canonical(kind, value):
+    if value is None:  # scale's default
+        return None
+    return {"int": int, "float": float, "float?": float, "bool": bool}[kind](value)
+
+
+VARLEN_ARGS = {  # name -> kind, as in the op's schema
+    "query": "Tensor", "cu_seqlens_q": "Tensor", "cu_seqlens_k": "Tensor",
+    "max_seqlen_q": "int", "max_seqlen_k": "int", "is_causal": "bool", "enable_gqa": "bool",
+    "dropout_p": "float", "scale": "float?",
+}
+VARLEN_CASES = [(a, v) for a in VARLEN_ARGS for v in VALUES]
+
+
+def varlen_call(fn, **override):
+    q, k, v, cu_q, cu_k, _, _ = packed([4, 2], requires_grad=False)
+    a = dict(query=q, key=k, value=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5,
+             max_seqlen_k=5)
+    a.update(override)
+    return _outcome(fn, **a)
+
+
+@pytest.mark.parametrize("fn_name", ["varlen_sdpa", "explain_varlen"])
+@pytest.mark.parametrize("arg,value", VARLEN_CASES, ids=[f"{a}-{v}" for a, v in VARLEN_CASES])
+def test_argument_types_as_pytorch_parser(fn_name, arg, value):
+    """What the parser refuses raises its TypeError, worded as for sdpa (the
+    function and argument named); what it takes behaves as the plain value
+    it converts to. Never torch.ops' schema text or pybind11's hint."""
+    fn, kind = getattr(openwam_sdpa, fn_name), VARLEN_ARGS[arg]
+    expected_kind, expected = parser_outcome(kind, VALUES[value]())
+    got_kind, got = varlen_call(fn, **{arg: VALUES[value]()})
+    if expected_kind is TypeError:
+        assert (got_kind, got) == (TypeError, expected.format(fn=fn_name, arg=arg))
+    elif expected_kind != "ok" and issubclass(expected_kind, (ValueError, OverflowError)):
+        assert (got_kind, got) == (expected_kind, expected)  # the value does not convert
+    elif kind == "Tensor":
+        assert got_kind is not TypeError, got  # a tensor: the op's own checks apply
+    else:
+        want_kind, want = varlen_call(fn, **{arg: canonical(kind, VALUES[value]())})
+        assert got_kind == want_kind, (got, want)
+        if got_kind == "ok" and fn_name == "varlen_sdpa":
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+        else:
+            assert got == want
+    if got_kind in (TypeError, ValueError, OverflowError):
+        assert "openwam::" not in got and "PYBIND11" not in got, got
+
+
+def test_argument_type_catalogue_has_both_outcomes():
+    """For each kind the parser takes some of the values and refuses others."""
+    for kind in set(VARLEN_ARGS.values()):
+        kinds = [parser_outcome(kind, make())[0] for make in VALUES.values()]
+        assert kinds.count(TypeError) >= 4 and len(kinds) - kinds.count(TypeError) >= 1, kind
+
+
+@pytest.mark.parametrize("arg,value,expected", [
+    ("is_causal", None, "varlen_sdpa(): argument 'is_causal' must be bool, not NoneType"),
+    ("is_causal", 1, "varlen_sdpa(): argument 'is_causal' must be bool, not int"),
+    ("enable_gqa", None, "varlen_sdpa(): argument 'enable_gqa' must be bool, not NoneType"),
+    ("is_causal", "x", "varlen_sdpa(): argument 'is_causal' must be bool, not str"),
+    ("cu_seqlens_q", [0, 4, 6], "varlen_sdpa(): argument 'cu_seqlens_q' must be Tensor, not list"),
+    ("max_seqlen_q", 10.0, "varlen_sdpa(): argument 'max_seqlen_q' must be int, not float"),
+])
+def test_argument_types_sdpa_refuses_alike(ow, arg, value, expected):
+    """The calls a user tried, and sdpa's message for the same types: the
+    same TypeError, naming the function and the argument."""
+    assert varlen_call(openwam_sdpa.varlen_sdpa, **{arg: value}) == (TypeError, expected)
+    if arg in ("is_causal", "enable_gqa"):
+        assert _outcome(ow.sdpa, _Q, _Q, _Q, **{arg: value}) == (
+            TypeError, expected.replace("varlen_sdpa()", "scaled_dot_product_attention()"))

@@ -144,6 +144,27 @@ py::list guard_rules() {
   return rules;
 }
 
+// The names of every guard rule whose versions hold `cudnn_version` and whose
+// condition the call's shape meets, in table order: what the table says of a
+// differentiated cuDNN call on a cuDNN that need not be loaded here (explain's
+// answer for the cuDNN a torch ships, on a machine without a GPU).
+py::list guard_hits(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                    const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                    bool is_causal, std::optional<double> scale, bool enable_gqa,
+                    long cudnn_version) {
+  const openwam::SdpaCall call{query, key, value, attn_mask, dropout_p,
+                               is_causal, scale, enable_gqa};
+  py::list names;
+  if (query.dim() != 3 && query.dim() != 4) return names;  // never on the cuDNN path
+  const openwam::CallShape shape = openwam::shape_of(call);
+  for (const auto& rule : openwam::guard_rules()) {
+    if (rule.versions.contains(cudnn_version) && rule.hits(shape, cudnn_version)) {
+      names.append(rule.name);
+    }
+  }
+  return names;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -157,6 +178,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("enable_gqa") = false,
         "The route and fix plan openwam::sdpa would use for this call.");
   m.def("guard_rules", &guard_rules, "The guard table of known cuDNN defects.");
+  m.def("guard_hits", &guard_hits, py::arg("query"), py::arg("key"), py::arg("value"),
+        py::arg("attn_mask"), py::arg("dropout_p"), py::arg("is_causal"), py::arg("scale"),
+        py::arg("enable_gqa"), py::arg("cudnn_version"),
+        "The guard rules that cover this call, with gradients, on this cuDNN version.");
   m.def("key_tail_defect", &openwam::key_tail_defect, py::arg("cudnn_version"),
         py::arg("s_kv"), py::arg("head_dim"), py::arg("is_causal") = false,
         "Whether the guard table marks this cuDNN version and key length as "

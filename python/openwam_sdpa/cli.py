@@ -1,16 +1,21 @@
 """The command line, `python -m openwam_sdpa COMMAND`: doctor, explain, guards.
 
+What prints is here; doctor.py gathers the doctor's facts and verdict (and
+imports nothing of this module).
+
 Exit codes mean one thing each, whatever the command (EXIT_CODES below):
 argparse's 2 is the usage error, so the doctor's verdicts use 0, 1 and 3.
 """
 
 import argparse
 import json
+import re
 import sys
 
 import torch
 
 from . import doctor, ops
+from ._extension import _C
 
 EXIT_USAGE = 2  # argparse's own code for a bad command line
 
@@ -32,6 +37,18 @@ ROUTES = {
 }
 
 
+# A list of numbers as json.dumps(indent=1) lays it out, one number a line.
+# Its newlines mark it: JSON strings cannot hold a raw newline.
+_NUMBER_LIST = re.compile(r"\[\n\s*(-?\d[\d.eE+-]*(?:,\n\s*-?\d[\d.eE+-]*)*)\n\s*\]")
+
+
+def to_json(obj):
+    """Indented JSON, with each list of numbers on one line (the doctor's
+    127 key-tail remainders would take 127 lines)."""
+    text = json.dumps(obj, indent=1, default=str)
+    return _NUMBER_LIST.sub(lambda m: "[" + re.sub(r",\n\s*", ", ", m.group(1)) + "]", text)
+
+
 def version_text():
     from . import __version__
     info = ops.build_info()
@@ -43,9 +60,12 @@ def version_text():
 
 
 def positive_int(text):
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer (1, 2, ...), got {text!r}")
     return value
 
 
@@ -83,10 +103,12 @@ def build_parser():
         "explain", help="what the op would do for given shapes, dtype, mask and head counts",
         description="What openwam_sdpa.sdpa would do with a call of these shapes: its route, "
                     "PyTorch's own backend choice, the fix plan and the guard rule. Nothing "
-                    "is allocated (fake tensors); a call is never run.",
+                    "is allocated for the call (fake tensors) and it is never run; "
+                    "F.scaled_dot_product_attention checks --dropout and --scale on a "
+                    "one-row CPU call, and its error exits 2.",
         epilog="example: python -m openwam_sdpa explain --batch 2 --heads 16 --kv-heads 4 "
                "--q-len 307 --kv-len 320 --head-dim 96 --dtype bf16 --mask bool --device cuda")
-    p.add_argument("--batch", type=positive_int, metavar="N", default=1)
+    p.add_argument("--batch", type=positive_int, metavar="N", default=1, help="batch size (default 1)")
     p.add_argument("--heads", type=positive_int, metavar="N", default=8, help="query heads (default 8)")
     p.add_argument("--kv-heads", type=positive_int, metavar="N",
                    help="key/value heads (default: --heads); fewer means grouped-query "
@@ -95,7 +117,8 @@ def build_parser():
     p.add_argument("--kv-len", type=positive_int, metavar="N", help="key/value length (default: --q-len)")
     p.add_argument("--head-dim", type=positive_int, metavar="N", default=128, help="default 128")
     p.add_argument("--value-head-dim", type=positive_int, metavar="N", help="default: --head-dim")
-    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16",
+                   help="dtype of query, key and value (default bf16)")
     p.add_argument("--mask", choices=["none", "bool", "additive"], default="none",
                    help="attn_mask of shape [batch, 1, q_len, kv_len]: bool (True: attend, as "
                         "Hugging Face's sdpa mask) or additive in --dtype (default none)")
@@ -152,6 +175,21 @@ def fake_inputs(call):
     return q, k, v, mask
 
 
+def pytorch_refusal(call):
+    """F.scaled_dot_product_attention's error for the call's dropout_p,
+    is_causal and scale (its message on the CPU, asked with a one-row call),
+    or None where it takes them."""
+    if call["dropout"] == 0.0 and call["scale"] is None:
+        return None  # the defaults: nothing to ask, nothing allocated
+    q = torch.zeros(1, 1, 1, 8)
+    try:
+        ops._PYTORCH_SDPA(q, q, q, dropout_p=call["dropout"], is_causal=call["causal"],
+                          scale=call["scale"])
+    except (RuntimeError, ValueError) as e:
+        return str(e)
+    return None
+
+
 def explain(call):
     """openwam_sdpa.explain() for the call, with notes where this machine
     cannot answer for a GPU."""
@@ -159,35 +197,51 @@ def explain(call):
 
     args = (call["dropout"], call["causal"], call["scale"], call["enable_gqa"])
     notes, cuda_available = [], torch.cuda.is_available()
+    # Without a GPU, the guard table read for the cuDNN this torch ships.
+    shipped = doctor.shipped_cudnn(torch.__version__) \
+        if call["device"] == "cuda" and not cuda_available else None
+
+    def ask(device):
+        inputs = fake_inputs(dict(call, device=device))
+        hits = _C.guard_hits(*inputs, *args, shipped) if shipped else []
+        return ops.explain(*inputs, *args), hits
+
     try:
         # Fake tensors: the decision reads only metadata (as under torch.compile).
         with FakeTensorMode():
-            answer = ops.explain(*fake_inputs(call), *args)
+            answer, hits = ask(call["device"])
     except Exception as e:  # noqa: BLE001  (a torch that cannot fake a CUDA device here)
         if call["device"] != "cuda" or cuda_available:
             raise
         notes.append(f"fake CUDA tensors failed here ({type(e).__name__}: {e}); "
                      "explained for meta tensors of the same shapes")
-        answer = ops.explain(*fake_inputs(dict(call, device="meta")), *args)
+        answer, hits = ask("meta")
     answer = dict(answer, call=call, cuda_available=cuda_available, notes=notes,
-                  shipped_cudnn_key_tail=None)
-    rule = next((r for r in ops.guard_rules() if r["name"] == answer["rule"]), None)
-    answer["rule_defect"] = rule["defect"] if rule else ""
+                  shipped_cudnn_key_tail=None, shipped_cudnn_rules=None)
+    rows = {r["name"]: r for r in ops.guard_rules()}
+    answer["rule_defect"] = rows[answer["rule"]]["defect"] if answer["rule"] in rows else ""
     if call["device"] == "cuda" and not answer["cuda_available"]:
         answer["notes"].append(
             "no CUDA GPU here: the answer is what the op does on this machine. On a GPU the "
             "route depends on the GPU, its cuDNN and PyTorch's backend choice: run this "
             "command there.")
-        shipped = doctor.shipped_cudnn(torch.__version__)
         if shipped:
             hit = ops.key_tail_defect(shipped, call["kv_len"], call["head_dim"], call["causal"])
             status = doctor.coverage(shipped)["status"]
             answer["shipped_cudnn_key_tail"] = dict(cudnn=shipped, hit=bool(hit), status=status)
-            answer["notes"].append(
-                f"the guard table for cuDNN {doctor.minor_str(shipped)} (what torch "
-                f"{torch.__version__.split('+')[0]} ships, {status}): the key-tail dQ defect "
-                f"{'hits' if hit else 'does not hit'} kv_len {call['kv_len']} at head_dim "
-                f"{call['head_dim']}" + ("; on the cuDNN path the op fixes it" if hit else ""))
+            answer["shipped_cudnn_rules"] = hits if call["differentiated"] else []
+            table = (f"the guard table for cuDNN {doctor.minor_str(shipped)} (what torch "
+                     f"{torch.__version__.split('+')[0]} ships, {status})")
+            if not call["differentiated"]:
+                answer["notes"].append(f"{table}: no rule applies to a call without gradients "
+                                       "(the defects are in the backward)")
+            elif hits:
+                answer["notes"].append(
+                    f"{table}, on the cuDNN path with gradients: "
+                    + "; ".join(f"{name} covers this call ({rows[name]['defect']}): "
+                                f"{rows[name]['action']}" for name in hits))
+            else:
+                answer["notes"].append(f"{table}: no rule covers this call")
     return answer
 
 
@@ -224,8 +278,13 @@ def run_explain(args):
     if args.causal and args.mask != "none":
         parser.error("--causal with --mask: F.scaled_dot_product_attention rejects an "
                      "attn_mask with is_causal=True; give one of them")
-    answer = explain(explain_call(args))
-    print(json.dumps(answer, indent=1) if args.json else format_explain(answer))
+    call = explain_call(args)
+    refusal = pytorch_refusal(call)
+    if refusal is not None:
+        given = f"dropout_p={args.dropout}" + ("" if args.scale is None else f", scale={args.scale}")
+        parser.error(f"F.scaled_dot_product_attention rejects {given}: {refusal}")
+    answer = explain(call)
+    print(to_json(answer) if args.json else format_explain(answer))
     return doctor.EXIT_OK
 
 
@@ -287,8 +346,23 @@ def format_guards(t):
 
 def run_guards(args):
     table = guard_table(args.cudnn)
-    print(json.dumps(table, indent=1) if args.json else format_guards(table))
+    print(to_json(table) if args.json else format_guards(table))
     return doctor.EXIT_OK
+
+
+# ------------------------------------------------------------------ doctor
+
+
+def run_doctor(as_json=False):
+    """Diagnose, print the report (or JSON) and the verdict; the exit code."""
+    facts = doctor.collect_facts()
+    line, code = doctor.verdict(facts)
+    if as_json:
+        print(to_json(dict(facts, verdict=line, exit_code=code)))
+    else:
+        print(doctor.format_report(facts))
+        print(f"verdict: {line}")
+    return code
 
 
 # ------------------------------------------------------------------ main
@@ -303,7 +377,7 @@ def main(argv=None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     if args.command == "doctor":
-        return doctor.run(as_json=args.json)
+        return run_doctor(as_json=args.json)
     if args.command == "explain":
         return run_explain(args)
     return run_guards(args)

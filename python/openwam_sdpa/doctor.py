@@ -21,9 +21,7 @@ Exit codes (the command line's, cli.py, one meaning each):
   3  openwam_sdpa itself gave non-finite gradients
 """
 
-import json
 import re
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -279,20 +277,3 @@ def format_report(facts):
     for note in facts["not_checked"]:
         lines.append(f"  not checked: {note}")
     return "\n".join(lines)
-
-
-def run(as_json=False):
-    """Diagnose, print the report (or JSON) and the verdict; the exit code."""
-    facts = collect_facts()
-    line, code = verdict(facts)
-    if as_json:
-        print(json.dumps(dict(facts, verdict=line, exit_code=code), indent=1, default=str))
-    else:
-        print(format_report(facts))
-        print(f"verdict: {line}")
-    return code
-
-
-if __name__ == "__main__":
-    from .cli import main
-    sys.exit(main(["doctor", *sys.argv[1:]]))

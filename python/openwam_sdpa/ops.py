@@ -19,16 +19,24 @@ _handle_torch_function = torch.overrides.handle_torch_function
 _torch_function_mode_on = torch._C._is_torch_function_mode_enabled
 
 
+# The defaults and catch-alls of query, key, value, *extra and **unknown only
+# mark a call that misses an argument, passes too many or an unknown keyword:
+# it goes to F.sdpa, whose parser words the error (as Python's own binding
+# would not). __signature__ below is F.sdpa's.
+_REQUIRED = _arguments.REQUIRED
+
+
 def sdpa(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    query: torch.Tensor = _REQUIRED,
+    key: torch.Tensor = _REQUIRED,
+    value: torch.Tensor = _REQUIRED,
     attn_mask: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
-    *,
+    *extra,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
+    **unknown,
 ) -> torch.Tensor:
     """Drop-in for torch.nn.functional.scaled_dot_product_attention.
 
@@ -37,6 +45,9 @@ def sdpa(
     implementation. Nested tensors and torch.nn.attention.bias masks go to
     PyTorch's function as they are, so their own handling applies.
     """
+    if value is _REQUIRED or key is _REQUIRED or query is _REQUIRED or extra or unknown:
+        return _arguments.call_misbound(_PYTORCH_SDPA, query, key, value, attn_mask, dropout_p,
+                                        is_causal, extra, scale, enable_gqa, unknown)
     if not (type(dropout_p) is float and type(is_causal) is bool and type(enable_gqa) is bool
             and (scale is None or type(scale) is float)):
         # An int dropout_p, a NumPy scale...: the op's types, as F.sdpa reads
@@ -44,7 +55,7 @@ def sdpa(
         # this reading of its parser missed, it serves itself).
         floats = _arguments.scalars(dropout_p, is_causal, scale, enable_gqa)
         if floats is None:
-            return _PYTORCH_SDPA(query, key, value, attn_mask, **_arguments.keywords(
+            return _PYTORCH_SDPA(query, key, value, attn_mask=attn_mask, **_arguments.keywords(
                 dropout_p, is_causal, scale, enable_gqa))
         dropout_p, scale = floats
     if (type(query) is _Tensor and type(key) is _Tensor and type(value) is _Tensor
@@ -68,16 +79,23 @@ def sdpa(
             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     if not isinstance(query, _Tensor) or query.is_nested:
         # Nested (jagged) tensors have kernels of their own behind PyTorch's
-        # builtin; what is no tensor at all gets its TypeError there.
-        return _PYTORCH_SDPA(query, key, value, attn_mask, dropout_p, is_causal,
-                             scale=scale, enable_gqa=enable_gqa)
+        # builtin; what is no tensor at all gets its TypeError there (worded
+        # as below).
+        return _PYTORCH_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     if not (isinstance(key, _Tensor) and isinstance(value, _Tensor)
             and (attn_mask is None or isinstance(attn_mask, _Tensor))):
-        return _PYTORCH_SDPA(query, key, value, attn_mask, dropout_p, is_causal,
-                             scale=scale, enable_gqa=enable_gqa)  # its TypeError
+        # Its TypeError, worded for query, key and value by position and
+        # attn_mask by keyword, as they are commonly passed (whether this
+        # caller did cannot be seen from here).
+        return _PYTORCH_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     # Tracers (torch.compile, torch.export, make_fx), tensor subclasses such
     # as DTensor, and __torch_function__ modes: the op through torch.ops.
     return _SDPA_OP(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+sdpa.__signature__ = _arguments.SIGNATURE
 
 
 # torch.distributed.tensor.experimental.context_parallel (monkey-patch mode)

@@ -11,18 +11,27 @@ compiles a patched call into openwam::sdpa.
 import torch
 import torch.nn.functional as F
 
+from . import _arguments
 from .ops import _PYTORCH_SDPA, CONTEXT_PARALLEL_MESSAGE, is_context_parallel_wrapper, sdpa
 
+_REQUIRED = _arguments.REQUIRED
 
-# Named as PyTorch's function: Python's own argument errors (an unknown
-# keyword, too many positional arguments) then read exactly as F.sdpa's.
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, *, scale=None, enable_gqa=False):
+
+# Named as PyTorch's function: the one argument error Python's own binding
+# still raises (an argument given twice) reads exactly as F.sdpa's. The rest
+# (missing, surplus, unknown) reach F.sdpa through sdpa(), as there.
+def scaled_dot_product_attention(query=_REQUIRED, key=_REQUIRED, value=_REQUIRED,
+                                 attn_mask=None, dropout_p=0.0, is_causal=False, *extra,
+                                 scale=None, enable_gqa=False, **unknown):
+    if extra or unknown:
+        return sdpa(query, key, value, attn_mask, dropout_p, is_causal, *extra,
+                    scale=scale, enable_gqa=enable_gqa, **unknown)
     return sdpa(query, key, value, attn_mask, dropout_p, is_causal,
                 scale=scale, enable_gqa=enable_gqa)
 
 
 scaled_dot_product_attention.__doc__ = _PYTORCH_SDPA.__doc__
+scaled_dot_product_attention.__signature__ = _arguments.SIGNATURE
 _patched_sdpa = scaled_dot_product_attention
 # torch.jit.script resolves F.scaled_dot_product_attention by identity: the
 # patched function compiles to the op, whose schema is F.sdpa's.

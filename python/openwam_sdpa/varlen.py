@@ -10,10 +10,36 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from . import _arguments
 from . import varlen_distributed  # noqa: F401  (DTensor rules of the leaf ops)
 from ._extension import _C  # noqa: F401  (registers the ops)
 
 _OP = torch.ops.openwam.sdpa_varlen.default
+_Tensor = torch.Tensor
+_INT64 = range(-(2**63), 2**63)
+_compiling = torch.compiler.is_compiling
+
+
+def _parsed(function, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            max_seqlen_k, is_causal, scale, dropout_p, enable_gqa):
+    """The arguments as the op takes them, read as F.sdpa's parser reads
+    arguments of their types. torch.ops' own binding is looser (None and 1
+    pass as bools) and its errors quote the op's schema."""
+    if (type(max_seqlen_q) is int and type(max_seqlen_k) is int
+            # (a traced int is symbolic: its range is the tracer's to know)
+            and (_compiling() or (max_seqlen_q in _INT64 and max_seqlen_k in _INT64))
+            and type(is_causal) is bool
+            and type(enable_gqa) is bool and type(dropout_p) is float
+            and (scale is None or type(scale) is float)
+            and all(type(t) is _Tensor for t in (query, key, value, cu_seqlens_q, cu_seqlens_k))):
+        return (query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                is_causal, scale, dropout_p, enable_gqa)
+    return _arguments.parse(function, (
+        ("query", query, "Tensor"), ("key", key, "Tensor"), ("value", value, "Tensor"),
+        ("cu_seqlens_q", cu_seqlens_q, "Tensor"), ("cu_seqlens_k", cu_seqlens_k, "Tensor"),
+        ("max_seqlen_q", max_seqlen_q, "int"), ("max_seqlen_k", max_seqlen_k, "int"),
+        ("is_causal", is_causal, "bool"), ("scale", scale, "float?"),
+        ("dropout_p", dropout_p, "float"), ("enable_gqa", enable_gqa, "bool")))
 
 
 def varlen_sdpa(
@@ -49,7 +75,14 @@ def varlen_sdpa(
     otherwise openwam_sdpa.sdpa over the packed batch with a block-diagonal
     mask (O(total_q * total_k) memory). On the CPU an exact per-sequence
     reference (no dropout).
+
+    Arguments of other types raise F.sdpa's TypeError for them (a bool
+    is_causal, an int max_seqlen_q, a tensor cu_seqlens_q...).
     """
+    (query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+     scale, dropout_p, enable_gqa) = _parsed(
+        "varlen_sdpa", query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k, is_causal, scale, dropout_p, enable_gqa)
     return _OP(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                is_causal=is_causal, scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa)
 
@@ -71,6 +104,10 @@ def explain_varlen(
     """What varlen_sdpa() would do with these inputs: the engine, why, the
     guard row involved, the setting, and why each fused engine would not
     serve ('' where it would). The same decision function as the op's."""
+    (query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+     scale, dropout_p, enable_gqa) = _parsed(
+        "explain_varlen", query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k, is_causal, scale, dropout_p, enable_gqa)
     backend, reason, rule, setting, flash_no, cudnn_no = torch.ops.openwam._sdpa_varlen_explain(
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
         scale, dropout_p, enable_gqa)
