@@ -319,6 +319,10 @@ Tensors4 frontend_forward(const at::Tensor& query, const at::Tensor& key,
                           double dropout_p, bool is_causal, std::optional<double> scale,
                           bool compute_log_sumexp, int64_t plan_bits) {
   const Plan plan = Plan::from_int(plan_bits);
+  if (!current_settings().frontend) {
+    return forward_with_plan<kAtenEngine>(query, key, value, attn_bias, dropout_p, is_causal,
+                                          scale, compute_log_sumexp, plan_bits);
+  }
   CudnnForward f;
   std::string why_not;
   if (frontend::sdpa_forward(query, key, value, attn_bias.value_or(at::Tensor()),
@@ -338,6 +342,11 @@ Tensors3 frontend_backward(const at::Tensor& grad_out, const at::Tensor& query,
                            const at::Tensor& philox_offset, double dropout_p, bool is_causal,
                            std::optional<double> scale, int64_t plan_bits) {
   const Plan plan = Plan::from_int(plan_bits);
+  if (!current_settings().frontend) {
+    return backward_with_plan<kAtenEngine>(grad_out, query, key, value, attn_bias, out,
+                                           logsumexp, philox_seed, philox_offset, dropout_p,
+                                           is_causal, scale, plan_bits);
+  }
   if (shim_is_cheaper(plan, attn_bias, key, dropout_p)) {
     return backward_with_plan<kFrontendPaddedEngine>(grad_out, query, key, value, attn_bias,
                                                      out, logsumexp, philox_seed, philox_offset,

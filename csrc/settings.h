@@ -24,6 +24,11 @@ struct Settings {
   // OPENWAM_SDPA_CHECK_FINITE=1: debug mode; the backward synchronises and
   // raises when a gradient is not finite.
   bool check_finite = false;
+  // OPENWAM_SDPA_FRONTEND=0: the cuDNN path runs ATen's cuDNN attention with
+  // padded inputs, as it does for a configuration whose graph the frontend
+  // cannot build (to compare, or to step around a frontend problem); 1, the
+  // default: the op's own cuDNN graphs.
+  bool frontend = true;
 };
 
 // Parses the environment now (raises on an invalid value).

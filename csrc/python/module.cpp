@@ -46,6 +46,7 @@ py::dict settings_dict(const openwam::Settings& s) {
   d["cudnn"] = openwam::to_string(s.cudnn);
   d["pad"] = openwam::to_string(s.pad);
   d["check_finite"] = s.check_finite;
+  d["frontend"] = s.frontend;
   return d;
 }
 
@@ -78,7 +79,7 @@ py::dict build_info() {
 const char* engine_of(const openwam::Decision& d) {
   if (d.route != openwam::Route::kCudnn) return "";
 #ifdef OPENWAM_WITH_CUDNN_FRONTEND
-  return "cudnn_frontend";
+  return openwam::current_settings().frontend ? "cudnn_frontend" : "aten_cudnn";
 #else
   return "aten_cudnn";
 #endif

@@ -221,7 +221,7 @@ def test_fuzz_against_stock(suite_results):
     assert not failures, f"{len(failures)} of {CASES} cases failed:\n" + "\n".join(failures[:10])
 
 
-# head_dim 160 (a head_dim the repair takes, in no draw above: adding it there
+# head_dim 160 (a head_dim cuDNN takes, in no draw above: adding it there
 # would change what every recorded seed replays): fixed cases across GQA, causal
 # with s_q != s_kv, masks and shares up to every row.
 D160 = [dict(dtype=dtype, D=160, kv_heads=kv, H=h, B=b, s_q=s_q, s_kv=s_kv, layout=layout,
