@@ -67,7 +67,7 @@ def draw(rng: random.Random) -> dict:
              s_q=log_uniform(rng, 1, 2048), layout=rng.choice(("bhsd", "bshd")),
              mask=rng.choice(MASKS), rows=rng.choice(SHARES),
              form=rng.choice(("spread", "one_dim")),
-             dropout=0.1 if rng.random() < 0.05 else 0.0, seed=rng.randrange(2**31))
+             dropout=0.125 if rng.random() < 0.05 else 0.0, seed=rng.randrange(2**31))
     c["s_kv"] = (128 * rng.randint(0, 15) + 64 if rng.random() < 0.5
                  else log_uniform(rng, 2, 2048))
     if c["mask"] == "left_padded":  # a padded batch: queries and keys are one sequence
