@@ -50,10 +50,14 @@ def test_guard_rules(ow):
 
 def test_guard_rules_unmeasured_rows_say_so(ow):
     # What the doctor reads: a row with no measured part must not pass for a
-    # measurement of this project.
+    # measurement of this project, and a measured row names its stack.
     for rule in ow.guard_rules():
         if rule["measured_first_version"] >= rule["measured_end_version"]:
-            assert "not measured by this project" in rule["source"], rule
+            assert "conservative" in rule["source"], rule
+            assert "measured on an H200" not in rule["source"], rule
+        else:
+            assert "measured on an H200 with torch" in rule["source"], rule
+            assert "conservative" not in rule["source"], rule
 
 
 # torch 2.15.0's CUDA wheels pin nvidia-cudnn-cu13==9.26.0.51.
