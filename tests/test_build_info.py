@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import pytest
 import torch
 
@@ -17,6 +20,17 @@ def test_build_info_matches_running_torch(ow):
     assert info["cudnn_compiled"] >= 0 and info["cudnn_runtime"] >= 0
     if not torch.cuda.is_available():
         assert info["cudnn_runtime"] == 0
+
+
+def test_build_info_names_the_cudnn_frontend_it_was_built_with(ow):
+    """None without the frontend (every CPU build); else the release setup.py pins."""
+    frontend = ow.build_info()["cudnn_frontend"]
+    if not ow.build_info()["with_cuda"]:
+        assert frontend is None
+    if frontend is not None:
+        setup = (pathlib.Path(__file__).resolve().parents[1] / "setup.py").read_text()
+        pin = re.search(r'^CUDNN_FRONTEND_VERSION = "([^"]+)"', setup, re.M)
+        assert pin and frontend == pin.group(1), frontend
 
 
 def test_explain_reports_the_runtime_cudnn(ow):
