@@ -58,8 +58,8 @@ fi
 exec "{sys.executable}" "$@"
 """)
     target = tmp_path / "deps"
-    run = subprocess.run(["bash", "-c", f'source tools/test_deps.sh && test_deps_install "{fake}" "{target}" pytest "setuptools>=71"'],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    script = f'source tools/test_deps.sh && test_deps_install "{fake}" "{target}" pytest "setuptools>=71"'
+    run = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
     return run.returncode, log.read_text().splitlines() if log.exists() else [], target
 
 
