@@ -19,8 +19,8 @@
 #    on a copy of this build in build/test/pkg, and the install is left alone.
 # 3. python -m pytest -q tests (tests/gpu skip themselves without CUDA).
 # 4. CMake in build/cmake: the op library is linked from the objects of step 2
-#    (not compiled a second time), the Catch2 tests are compiled with torch's
-#    headers precompiled; then ctest.
+#    (not compiled a second time; a CPU-only extension's), the Catch2 tests
+#    are compiled with torch's headers precompiled; then ctest.
 # Steps 3 and 4 both run even if the other fails; the exit status is non-zero
 # if any step failed. Logs: build/test-logs/.
 #
@@ -148,21 +148,23 @@ cmake_args=(-S "$ROOT" -B "$CMAKE_DIR" -DCMAKE_BUILD_TYPE=Release
 command -v ninja >/dev/null && [[ ! -f "$CMAKE_DIR/CMakeCache.txt" ]] && cmake_args+=(-G Ninja)
 [[ -n "${CATCH2_INCLUDE_DIR:-}" ]] && cmake_args+=(-DCATCH2_INCLUDE_DIR="$CATCH2_INCLUDE_DIR")
 [[ -n "${CATCH2_PREFIX:-}" ]] && cmake_args+=(-DCMAKE_PREFIX_PATH="$CATCH2_PREFIX")
-# The objects step 2 compiled, as its build.ninja lists them (the Python
-# bindings in csrc/python/ aside): the library's sources, compiled with the
-# extension's flags. With CUDA objects among them the tests are built for CUDA too.
+# A CPU-only extension's objects, as step 2's build.ninja lists them (the
+# Python bindings in csrc/python/ aside), are the library's sources compiled
+# with the same macros CMake gives them: the library is linked from them. A
+# CUDA build compiles more (the cuDNN frontend, its macros and link libraries)
+# than CMake's library holds; there CMake compiles csrc itself.
 objects=()
-if ((build_ok)) && [[ -f "$build_temp/build.ninja" ]]; then
-  mapfile -t objects < <(sed -nE 's|^build (.*\.o): (cuda_)?compile .*|\1|p' "$build_temp/build.ninja" |
+if ((build_ok)) && [[ -f "$build_temp/build.ninja" ]] &&
+   ! grep -qE 'cuda_compile|-DOPENWAM_WITH_CUDA' "$build_temp/build.ninja"; then
+  mapfile -t objects < <(sed -nE 's|^build (.*\.o): compile .*|\1|p' "$build_temp/build.ninja" |
                          grep -v '/csrc/python/')
 fi
 if ((${#objects[@]})); then
-  cuda=OFF
-  grep -qE '^build .*: cuda_compile ' "$build_temp/build.ninja" && cuda=ON
-  cmake_args+=("-DOPENWAM_PREBUILT_OBJECTS=$(IFS=';'; echo "${objects[*]}")" -DOPENWAM_WITH_CUDA=$cuda)
+  cmake_args+=("-DOPENWAM_PREBUILT_OBJECTS=$(IFS=';'; echo "${objects[*]}")" -DOPENWAM_WITH_CUDA=OFF)
   say "cmake configure + build (build/cmake, -j$MAX_JOBS): the library linked from ${#objects[@]} objects of step 2"
 else
-  cmake_args+=(-DOPENWAM_PREBUILT_OBJECTS=)
+  # -U: CMake decides CUDA afresh, whatever an earlier run of the other kind left cached.
+  cmake_args+=(-DOPENWAM_PREBUILT_OBJECTS= -UOPENWAM_WITH_CUDA)
   say "cmake configure + build (build/cmake, -j$MAX_JOBS): the library compiled from csrc"
 fi
 if cmake "${cmake_args[@]}" >"$LOGS/cmake.log" 2>&1 &&
