@@ -367,7 +367,8 @@ def test_explain_defaults_on_cpu(ow):
     assert info["route"] == info["backend"] == "pytorch"
     assert info["plan"] == "none" and info["rule"] == ""
     assert info["engine"] == ""  # which cuDNN runs: named on the cuDNN route only
-    assert info["settings"] == {"cudnn": "follow_pytorch", "pad": "auto", "check_finite": False}
+    assert info["settings"] == {"cudnn": "follow_pytorch", "pad": "auto", "check_finite": False,
+                                 "frontend": True}
     assert info["reason"] == "inputs are not on a CUDA device"
     # No cuDNN on the CPU: PyTorch's selector need not be asked.
     assert info["pytorch_choice"] == "not asked"
