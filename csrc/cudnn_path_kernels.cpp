@@ -347,6 +347,15 @@ Tensors3 frontend_backward(const at::Tensor& grad_out, const at::Tensor& query,
                                            logsumexp, philox_seed, philox_offset, dropout_p,
                                            is_causal, scale, plan_bits);
   }
+  const auto& ctx = at::globalContext();
+  if (ctx.deterministicAlgorithms() && ctx.deterministicAlgorithmsWarnOnly()) {
+    // cuDNN's backward accumulates dQ with atomics; ATen's cuDNN attention says
+    // so in these words (a determinism check that refuses outright keeps the
+    // call off cuDNN: cudnn_rejects()).
+    TORCH_WARN_ONCE("cuDNN Attention defaults to a non-deterministic algorithm. ",
+                    "To explicitly enable determinism call "
+                    "torch.use_deterministic_algorithms(True, warn_only=False).");
+  }
   if (shim_is_cheaper(plan, attn_bias, key, dropout_p)) {
     return backward_with_plan<kFrontendPaddedEngine>(grad_out, query, key, value, attn_bias,
                                                      out, logsumexp, philox_seed, philox_offset,

@@ -3,13 +3,14 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cudnn/Handle.h>
 #include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 
+#include <algorithm>
 #include <cmath>
 #include <mutex>
 #include <unordered_map>
 
 #include "dropout_seed.h"
+#include "full_lengths.h"
 #include "graph_cache.h"
 #include "graph_key.h"
 #include "sdpa_graphs.h"
@@ -142,7 +143,15 @@ std::shared_ptr<const BuiltGraph> graph_for(const SdpaGraphKey& key, std::string
   }
   std::lock_guard<std::mutex> lock(c.mutex);
   if (e.graph == nullptr) {
-    c.failures.push_back(key.describe() + ": " + e.why_not);
+    std::string failure = key.describe() + ": " + e.why_not;
+    if (std::find(c.failures.begin(), c.failures.end(), failure) == c.failures.end()) {
+      c.failures.push_back(std::move(failure));
+    }
+  }
+  if (Entry* raced = c.cache.find(key)) {
+    // Another thread built the same key meanwhile: keep its entry.
+    why_not = raced->why_not;
+    return raced->graph;
   }
   const size_t before = c.cache.size();
   c.cache.insert(key, e);
@@ -159,49 +168,6 @@ void record_failure(const SdpaGraphKey& key, const std::string& why_not) {
   GraphCache& c = graph_cache();
   std::lock_guard<std::mutex> lock(c.mutex);
   c.cache.insert(key, Entry{nullptr, why_not});
-}
-
-// int32 [B, 1, 1, 1] lengths equal to the full sizes, for the padding mask:
-// rows 0 and 1 of one [2, B'] tensor (B' rounded up to 4, so that row 1
-// starts 16-byte aligned). Kept per device, stream and sizes outside CUDA
-// graph capture (never written again, read in the stream's order); made
-// anew inside a capture, where the fill is part of the captured graph.
-at::Tensor full_lengths(const at::Tensor& query, int64_t s_q, int64_t s_kv) {
-  const int64_t batch = query.size(0);
-  const auto stream = at::cuda::getCurrentCUDAStream(query.device().index());
-  const bool capturing =
-      c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
-  struct Key {
-    int64_t device, stream, batch, s_q, s_kv;
-    bool operator==(const Key& o) const {
-      return device == o.device && stream == o.stream && batch == o.batch && s_q == o.s_q &&
-             s_kv == o.s_kv;
-    }
-  };
-  struct Hash {
-    size_t operator()(const Key& k) const {
-      return std::hash<int64_t>{}(k.device * 1000003 + k.stream) ^
-             std::hash<int64_t>{}((k.batch * 1000003 + k.s_q) * 1000003 + k.s_kv);
-    }
-  };
-  static std::mutex mutex;
-  static auto* cache = new LruCache<Key, at::Tensor, Hash>(256);
-  const Key key{query.device().index(), static_cast<int64_t>(stream.id()), batch, s_q, s_kv};
-  if (!capturing) {
-    std::lock_guard<std::mutex> lock(mutex);
-    if (at::Tensor* t = cache->find(key)) {
-      return *t;
-    }
-  }
-  const int64_t row = (batch + 3) / 4 * 4;
-  at::Tensor t = at::empty({2, row}, query.options().dtype(at::kInt));
-  t[0].fill_(s_q);
-  t[1].fill_(s_kv);
-  if (!capturing) {
-    std::lock_guard<std::mutex> lock(mutex);
-    cache->insert(key, t);
-  }
-  return t;
 }
 
 float scale_value(std::optional<double> scale, const at::Tensor& query) {
