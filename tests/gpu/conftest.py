@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from support import Attn, adversarial_qkv, make_mask, max_err, qkv, randn, run, twice_stock_problem
-# Re-exported: tests/gpu/test_repair_dq_gpu.py imports them from here.
+# Re-exported: the GPU test modules import them from here.
 from support import floor_for, reference  # noqa: F401
 
 try:  # torch >= 2.3

@@ -20,7 +20,6 @@ from support import DENSE_MASK_KINDS, run
 
 from .conftest import (
     GPU_MARKS,
-    MEASURED_CUDNN,
     SDPBackend,
     cuda_adversarial_qkv,
     cuda_mask,
