@@ -19,12 +19,13 @@ profiled step of each contender: host time per op (self CPU time).
 Run (from the repository root, on a GPU; about 40 seconds, estimated):
     python benchmarks/bench_block.py --out $OUT/block
     python benchmarks/bench_block.py --selftest --out /tmp/block   # CPU, tiny block, checks the outputs
-Writes block.json, block.md and block.png under --out.
+Writes block.json and block.md under --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,23 +268,25 @@ def profile_cells(profile, op):
     return [report.num(calls, "{:d}"), report.num(us, "{:.0f}")]
 
 
-def plot(result, path):
-    plt = report.pyplot()
-    if plt is None:
-        return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    keys = ("gpu_ms", "host_ms", "wall_ms")
-    for i, name in enumerate(result["ratios"]):
-        r = [result["ratios"][name][k] or {"median": float("nan"), "min": float("nan"), "max": float("nan")}
-             for k in keys]
-        xs = [j + (i - 0.5) * 0.35 for j in range(len(keys))]
-        ax.bar(xs, [x["median"] for x in r], 0.35, label=f"{name} / stock",
-               yerr=[[x["median"] - x["min"] for x in r], [x["max"] - x["median"] for x in r]], capsize=3)
-    ax.set_xticks(range(len(keys)), ["GPU busy", "host", "wall"])
-    report.log_ratio_axis(ax, "per step / stock (log)")
-    ax.set_title(f"OpenWAM-shaped block — {report.stack_title(result['stack'])}", fontsize=9)
-    ax.legend(fontsize=8)
-    return report.save_figure(fig, path)
+def check_selftest(result, md, out):
+    """The outputs of a --selftest run: every round measured, every ratio recomputable from
+    the raw figures, the decision of each call pattern and the profiles complete."""
+    back = json.loads((out / "block.json").read_text())
+    assert back["runs"].keys() == {BASE, "openwam", f"{BASE}-again"}
+    for name, run in result["runs"].items():
+        assert len(run["wall_ms"]) == result["settings"]["rounds"], name
+        assert all(x > 0 for x in run["wall_ms"] + run["host_ms"]), name
+    for name in ("openwam", f"{BASE}-again"):
+        report.check_round_ratio(result["runs"], result["ratios"][name]["wall_ms"], name, BASE, "wall_ms")
+    assert len(report.table_rows(md, "### Block benchmark")) == 3  # GPU, host, wall
+    # Three call patterns: the joint self-attention and the two text cross-attentions.
+    assert len(result["decisions"]) == 3 and all("error" not in d for d in result["decisions"])
+    assert result["profiles"].keys() == {BASE, "openwam"}
+    for name, p in result["profiles"].items():
+        assert p["ops"] and p["total_self_cpu_us"] > 0, name
+    assert len(report.table_rows(md, "**Host time per op**")) == len(
+        {op for p in result["profiles"].values() for op in p["ops"]}) + 1  # + the total
+    print(f"selftest OK: block rounds, decisions and profiles; wrote {out}")
 
 
 def parse_args(argv=None):
@@ -309,11 +312,10 @@ def main(argv=None):
     result = run(args)
     md = markdown(result)
     out = Path(args.out)
-    files = report.write_outputs(result, out, "block", md, plots=(("", plot),))
+    files = report.write_outputs(result, out, "block", md)
     print(md)
     if args.selftest:
-        import selftest
-        selftest.check_block(result, md, out)
+        check_selftest(result, md, out)
     print(f"wrote {', '.join(files)} under {out}; measured in {result['stack']['elapsed_s']}s")
 
 

@@ -40,7 +40,7 @@ model building and warm-up about 30 s: about 4 minutes (--wall-only: about 3.3).
     python benchmarks/bench_model.py --sizes 400m --lengths 4032 --modes eager
     python benchmarks/bench_model.py --compile-sizes 30m,400m --compile-paddings left,none   # every compile
     python benchmarks/bench_model.py --selftest --out /tmp/model     # CPU, tiny model, checks the outputs
-Writes model.json, model.md and model.png under --out.
+Writes model.json and model.md under --out (plot.py draws model.png from model.json).
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def gpu_figures(step, spin_ms):
     return {"host_ms": host, "covered": covered, "gpu_ms": timing.busy_ms(step)}
 
 
-def run_config(ow, models, init, size, mode, seq, padding, device, args):
+def run_config(models, init, size, mode, seq, padding, device, args):
     """One configuration: first steps, warm-up, peak memory, then the paired rounds."""
     entry = {"size": size, "mode": mode, "seq": seq, "batch": BATCH[seq], "padding": padding,
              "first_step": {}, "peak_mib": {}}
@@ -144,15 +144,10 @@ def run_config(ow, models, init, size, mode, seq, padding, device, args):
             c.model.load_state_dict(init)
             c.step, first_step, last_losses[c.name] = trainer(c.model, batch, lr=1e-4)
             with c.context():
-                counter = getattr(ow, "repaired_rows", None) if c.name == "openwam_sdpa" else None
-                if counter:
-                    counter(reset=True)
                 t0 = time.perf_counter()
                 bad = first_step()
                 first = {"nonfinite_grads": bad, "loss": float(last_losses[c.name][-1]),
                          "seconds": round(time.perf_counter() - t0, 2)}
-                if counter:
-                    first["repaired_rows"] = counter()
                 for _ in range(args.warmup - 1):
                     c.step()
                 entry["peak_mib"][c.name] = timing.peak_mib(c.step)
@@ -216,7 +211,7 @@ def run(args):
                     for layer in model.model.layers:
                         layer.compile(backend=args.compile_backend, dynamic=False)
                 compiled = True
-            entry = run_config(ow, models, init, *job, device, args)
+            entry = run_config(models, init, *job, device, args)
             result["configs"].append(entry)
             print(f"[{len(result['configs'])}/{len(jobs)}] {size} {job[1]} {BATCH[job[2]]}x{job[2]} {job[3]}: "
                   + summary_of(entry) + f" | {time.time() - t0:.0f}s", flush=True)
@@ -329,24 +324,33 @@ def markdown(result):
     return "\n".join(parts)
 
 
-def plot(result, path):
-    plt = report.pyplot()
-    configs = [e for e in result["configs"] if "ratios" in e]
-    if plt is None or not configs:
-        return False
-    bars = [("openwam_sdpa", "gpu_ms", "openwam GPU"), ("openwam_sdpa", "wall_ms", "openwam wall"),
-            (f"{BASE}-again", "gpu_ms", "A/A GPU"), (f"{BASE}-again", "wall_ms", "A/A wall")]
-    width = 0.8 / len(bars)
-    fig, ax = plt.subplots(figsize=(max(8.0, 0.8 * len(configs)), 5))
-    for i, (name, key, label) in enumerate(bars):
-        ys = [(e["ratios"][name][key] or {}).get("median", float("nan")) for e in configs]
-        ax.bar([j + (i - (len(bars) - 1) / 2) * width for j in range(len(configs))], ys, width, label=label)
-    report.log_ratio_axis(ax, "step time / stock sdpa (log)")
-    ax.set_xticks(range(len(configs)), [f"{e['size']} {e['mode']}\n{e['batch']}x{e['seq']} {e['padding']}"
-                                        for e in configs], fontsize=7, rotation=45, ha="right")
-    ax.set_title(f"Training step, openwam_sdpa vs stock sdpa — {report.stack_title(result['stack'])}", fontsize=9)
-    ax.legend(fontsize=8, ncol=2)
-    return report.save_figure(fig, path)
+def check_selftest(result, md, out, args):
+    """The outputs of a --selftest run: every configuration of the grid measured, the same first
+    loss and finite gradients for every contender (the CPU has no cuDNN defect), every round's
+    wall figure the median of its steps, every ratio recomputable from the raw figures."""
+    back = json.loads((out / "model.json").read_text())
+    assert markdown(back) == md, "--render of model.json must give the same table"
+    configs = result["configs"]
+    assert [(e["size"], e["mode"], e["seq"], e["padding"]) for e in configs] == grid(args)
+    assert {e["mode"] for e in configs} == {"eager", "compile"}
+    assert len(report.table_rows(md, "### Model benchmark")) == len(configs)
+    for e in configs:
+        name = f"{e['size']} {e['mode']} {e['seq']} {e['padding']}"
+        assert "error" not in e, (name, e["error"])
+        first = e["first_step"]
+        assert all(f["nonfinite_grads"] == 0 for f in first.values()), (name, first)
+        assert all(e["loss_finite_at_end"].values()), name
+        for other in ("openwam_sdpa", "sdpa-no-cudnn"):
+            assert abs(first[other]["loss"] - first[BASE]["loss"]) <= 1e-2 * abs(first[BASE]["loss"]), (name, first)
+        for who, run in e["runs"].items():
+            assert len(run["wall_ms"]) == len(run["wall_steps_ms"]) == args.rounds, (name, who)
+            for figure, steps in zip(run["wall_ms"], run["wall_steps_ms"]):
+                assert len(steps) == args.wall_steps and figure == timing.percentile(steps, 50), (name, who)
+            assert len(run.get("gpu_ms", [])) == len(run.get("host_ms", [])) == args.gpu_rounds, (name, who)
+        for other in ("openwam_sdpa", f"{BASE}-again"):
+            report.check_round_ratio(e["runs"], e["ratios"][other]["wall_ms"], other, BASE, "wall_ms")
+    assert f"the median of those {args.wall_steps} steps" in md, "model.md must say how wall time is measured"
+    print(f"selftest OK: {len(configs)} model configurations; wrote {out}")
 
 
 def parse_args(argv=None):
@@ -368,7 +372,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="steps per model before the rounds (the first is checked)")
     p.add_argument("--selftest", action="store_true", help="tiny model on the CPU, then check the outputs")
     p.add_argument("--render", metavar="MODEL_JSON",
-                   help="only write model.md and the plot from a model.json (a run cut short leaves a partial one)")
+                   help="only write model.md from a model.json (a run cut short leaves a partial one)")
     args = p.parse_args(argv)
     if args.selftest:
         args.sizes, args.lengths, args.compile_sizes = "tiny", "40", "tiny"
@@ -393,10 +397,10 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.render:  # tables and plot of an earlier (maybe partial) run, on any machine
+    if args.render:  # the table of an earlier (maybe partial) run, on any machine
         result = json.loads(Path(args.render).read_text())
         md = markdown(result)
-        files = report.write_outputs(result, Path(args.out), "model", md, plots=(("", plot),))
+        files = report.write_outputs(result, Path(args.out), "model", md)
         print(md)
         print(f"wrote {', '.join(files)} under {args.out}")
         return
@@ -404,11 +408,10 @@ def main(argv=None):
     result = run(args)
     md = markdown(result)
     out = Path(args.out)
-    files = report.write_outputs(result, out, "model", md, plots=(("", plot),))
+    files = report.write_outputs(result, out, "model", md)
     print(md)
     if args.selftest:
-        import selftest
-        selftest.check_model(result, md, out, args)
+        check_selftest(result, md, out, args)
     print(f"wrote {', '.join(files)} under {out}; measured in {result['stack']['elapsed_s']}s")
 
 

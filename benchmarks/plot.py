@@ -1,27 +1,25 @@
 """The tables and plots of docs/performance.md, made from the benchmarks' result files.
 
-    python benchmarks/plot.py --ref 1a239f8 --out docs/assets          # the files the docs show
-    python benchmarks/plot.py --file shares=benchmarks/out/bench/bench.json --out /tmp/plots
+    python benchmarks/plot.py --file sdpa=benchmarks/out/sdpa/sdpa.json --out docs/assets
+    python benchmarks/plot.py --ref 1a239f8 --out /tmp/plots     # the older runs kept in git history
 
 Each input is one JSON file a benchmark or tool wrote under its --out:
 
-  shares   bench_sdpa.py --sections shares   the repair's cost by share of affected rows
-  host     bench_host.py                     host time per call
-  model    bench_model.py                    training steps of Hugging Face models
+  sdpa     bench_sdpa.py                     the op against stock: its tables, and adversarial.png
+  model    bench_model.py                    training steps of Hugging Face models, and model.png
   block    bench_block.py                    the OpenWAM-shaped block
-  quick    bench_sdpa.py --quick             paired device time on unaffected shapes
-  memory   bench_sdpa.py --quick (memory)    peak memory with [B,H,S,S] masks
   suite    tests/gpu (gpu_suite_results.json)
   pytorch  tools/pytorch_sdpa_tests.py       one JSON per sample (repeat the role)
   sweep    tools/sweep_single_query_row.py
   dist     tools/train_distributed.py
 
 --ref REF reads the raw result files kept in git history (DEFAULTS: the newest of each
-benchmark at commit 1a239f8, whose benchmarks/results/ holds every run); --file ROLE=PATH
-reads a file on disk instead, for one role. Roles without a file are left out.
+at commit 1a239f8, whose benchmarks/results/ holds every run before; bench_sdpa.py's
+format is newer than those); --file ROLE=PATH reads a file on disk instead, for one role.
+Roles without a file are left out.
 
-Prints the markdown tables to stdout and writes shares.png and model.png under --out
-(small: 100 dpi). Needs matplotlib for the plots only: without it, the tables still print.
+Prints the markdown tables to stdout and writes the PNGs under --out (small: 100 dpi).
+Needs matplotlib for the plots only: without it, the tables still print.
 """
 
 from __future__ import annotations
@@ -33,17 +31,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_sdpa  # noqa: E402  (benchmarks/bench_sdpa.py: its tables)
 import report  # noqa: E402  (benchmarks/report.py)
 from timing import percentile  # noqa: E402
 
 R = "benchmarks/results/"
 DEFAULTS = {
-    "shares": [R + "bench_shares_2026-12-02_h200_u2_main_control.json"],
-    "host": [R + "host_2026-12-02_h200_u2_main_control.json"],
+    "sdpa": [],
     "model": [R + "model_2026-11-30_h200_evening.json"],
     "block": [R + "block_2026-11-30_h200_evening.json"],
-    "quick": [R + "bench_2026-11-30_h200_evening_quick.json"],
-    "memory": [R + "bench_2026-11-30_h200_quick.json"],
     "suite": [R + "gpu_suite_2026-12-02_h200_u4_main_full.json"],
     "pytorch": [R + "pytorch_sdpa_tests_2026-12-01_h200_p3.json",
                 R + "pytorch_sdpa_tests_2026-12-02_h200_q5_seed1.json",
@@ -52,8 +48,6 @@ DEFAULTS = {
     "sweep": [R + "sweep_sq1_2026-11-30_h200.json"],
     "dist": [R + "dist_2026-11-30_h200x2.json"],
 }
-SHARES = [("none", "none"), ("one_per_head", "1 per (b,h)"), ("0.1", "10%"), ("all", "all")]
-BOUNDS = {"none": 1.03, "one_per_head": 1.05, "0.1": 1.25, "all": 1.6}
 
 
 def r2(x):
@@ -83,41 +77,6 @@ def signed(x):
 # ------------------------------------------------------------------ tables
 
 
-def shares_table(res):
-    rows = []
-    for e in res["shares"]:
-        cells = e["cells"]
-        row = [e["label"] + (", bool mask" if e["mask"] != "none" else ""),
-               r2(median(cells["none"]["ms"]["cudnn"]["fwdbwd"]))]
-        row += [r2(med(cells[k]["ratios"], "openwam-default")) for k, _ in SHARES]
-        row.append(r2(med(cells["all"]["ratios"], "default_vs_always")))
-        row.append(r2(max(med(c["ratios"], "cudnn-again") for c in cells.values())))
-        rows.append(row)
-    affected = [c for e in res["shares"] for k, c in e["cells"].items() if k != "none"]
-    every = [c for e in res["shares"] for c in e["cells"].values()]
-    bad_stock = sum(sum(c["checks"]["cudnn"]["nonfinite"].values()) > 0 for c in affected)
-    bad_ow = sum(sum(c["checks"]["openwam-default"]["nonfinite"].values()) > 0 for c in every)
-    head = (["shape", "stock fwd+bwd ms"] + [f"{label} (bound {BOUNDS[k]})" for k, label in SHARES]
-            + ["all: default / always (bound 1.1)", "A/A worst"])
-    return (report.md_table(head, rows) +
-            f"\n\nNon-finite gradients: stock in {bad_stock} of {len(affected)} cells with affected rows, "
-            f"openwam_sdpa in {bad_ow} of {len(every)}.")
-
-
-def host_table(res):
-    rows = []
-    for c in res["cases"]:
-        fwd, bwd = c["forward"], c["backward"]
-        case = c["case"]
-        mask = {"none": "no mask", "full": "bool [B,1,Sq,Skv]", "keys": "bool [B,1,1,Skv]"}[case["mask"]]
-        rows.append([f"{case['name']}: B{case['batch']} H{case['heads']} D{case['head_dim']} {case['s_q']}x{case['s_kv']}, {mask}",
-                     report.num(median(fwd["runs"]["stock"]["us"]), "{:.1f}"), signed(med(fwd["deltas"], "openwam")),
-                     report.num(median(bwd["runs"]["stock"]["us"]), "{:.1f}"), signed(med(bwd["deltas"], "openwam")),
-                     signed(med(bwd["deltas"], "stock-again")), c["decision"]["plan"]])
-    return report.md_table(["call", "stock fwd µs", "openwam − stock", "stock bwd µs",
-                            "openwam − stock", "A/A bwd", "plan"], rows)
-
-
 def model_table(res):
     rows = []
     for c in res["configs"]:
@@ -135,27 +94,6 @@ def block_table(res):
     rows = [[what, r2(med(res["ratios"], "openwam", key)), r2(med(res["ratios"], "stock-again", key))]
             for what, key in (("GPU busy", "gpu_ms"), ("host", "host_ms"), ("wall", "wall_ms"))]
     return report.md_table(["per step", "openwam / stock", "A/A"], rows)
-
-
-def quick_table(res):
-    rows = []
-    for c in res["cases"]:
-        p = c["paired"]
-        rows.append([c["label"], c["mask"], c["layout"].upper(), r2(med(p["ratios"], "openwam-default", "fwd")),
-                     r2(med(p["ratios"], "openwam-default", "fwdbwd")),
-                     "yes" if p["fwd_equal_cudnn"]["openwam-default"] else "no"])
-    return report.md_table(["shape", "mask", "storage", "fwd / stock", "fwd+bwd / stock", "fwd bit-identical"], rows)
-
-
-def memory_table(res):
-    rows = []
-    for e in res["memory"]:
-        stock, ours = e["methods"]["stock"]["peak_mib"], e["methods"]["openwam-default"]["peak_mib"]
-        delta = None if stock is None or ours is None else round(ours - stock)
-        rows.append([f"{e['label']}, {e['mask']}", report.num(e["mask_mib"], "{:.0f}"), report.num(stock, "{:.0f}"),
-                     report.num(delta, "{:+d}")])
-    return report.md_table(["shape, mask", "mask MiB", "stock peak MiB", "openwam − stock MiB"],
-                           rows)
 
 
 def suite_table(res):
@@ -192,12 +130,23 @@ def dist_table(res):
                            rows)
 
 
-TABLES = {"shares": shares_table, "quick": quick_table, "host": host_table, "model": model_table,
-          "block": block_table, "memory": memory_table, "suite": suite_table, "sweep": sweep_table,
-          "dist": dist_table}
+TABLES = {"sdpa": bench_sdpa.markdown, "model": model_table, "block": block_table, "suite": suite_table,
+          "sweep": sweep_table, "dist": dist_table}
 
 
 # ------------------------------------------------------------------ plots
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (the PNGs are then skipped)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        print(f"plots skipped: {e}")
+        return None
+    return plt
 
 
 def save(fig, path):
@@ -209,31 +158,30 @@ def save(fig, path):
     plt.close(fig)
 
 
-def plot_shares(res, path):
-    plt = report.pyplot()
-    if plt is None:
+def plot_adversarial(res, path):
+    """fwd+bwd time / stock by share of affected rows, a line per shape and mask."""
+    plt = pyplot()
+    cells = [e for e in res.get("adversarial", []) if "ratios" in e]
+    if plt is None or not cells:
         return
+    shares = list(dict.fromkeys(e["share"] for e in cells))
     fig, ax = plt.subplots(figsize=(8, 3.6))
-    xs = range(len(SHARES))
-    for e in res["shares"]:
-        ys = [nan_if_none(med(e["cells"][k]["ratios"], "openwam-default")) for k, _ in SHARES]
-        line, = ax.plot(xs, ys, marker="o", label=e["label"].replace("B", "", 1))
-        ax.plot(xs, [nan_if_none(med(e["cells"][k]["ratios"], "openwam-always")) for k, _ in SHARES],
-                linestyle=":", color=line.get_color())
-    for x, (k, _) in enumerate(SHARES):
-        ax.hlines(BOUNDS[k], x - 0.3, x + 0.3, colors="black", linestyles="--", linewidth=1)
-    ax.set_xticks(list(xs), [label for _, label in SHARES])
+    for label in dict.fromkeys(f"{e['label']} {e['case']['mask']}" for e in cells):
+        line = {e["share"]: e for e in cells if f"{e['label']} {e['case']['mask']}" == label}
+        ax.plot(range(len(shares)), [nan_if_none(med(line[k]["ratios"], "openwam", "fwdbwd_ms")) if k in line
+                                     else float("nan") for k in shares], marker="o", label=label)
+    ax.set_xticks(range(len(shares)), [bench_sdpa.SHARE_LABELS.get(k, k) for k in shares])
     ax.set_xlabel("affected query rows (logsumexp far below -88.7)")
-    ax.set_ylabel("fwd+bwd time / stock cuDNN")
+    ax.set_ylabel("fwd+bwd time / stock")
     ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_title("solid: openwam_sdpa default; dotted: padding the backward; dashes: bound", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="B H D s_q x s_kv",
+    ax.set_title("openwam_sdpa at default settings against stock F.sdpa, adversarial inputs", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="B H D s_q x s_kv, mask",
               title_fontsize=7)
     save(fig, path)
 
 
 def plot_model(res, path):
-    plt = report.pyplot()
+    plt = pyplot()
     if plt is None:
         return
     configs = res["configs"]
@@ -302,8 +250,8 @@ def main(argv=None):
     if "pytorch" in data:
         print(f"### pytorch\n\n{pytorch_table(data['pytorch'])}\n")
     args.out.mkdir(parents=True, exist_ok=True)
-    if "shares" in data:
-        plot_shares(data["shares"][0], args.out / "shares.png")
+    if "sdpa" in data:
+        plot_adversarial(data["sdpa"][0], args.out / "adversarial.png")
     if "model" in data:
         plot_model(data["model"][0], args.out / "model.png")
     return 0

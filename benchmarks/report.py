@@ -1,21 +1,15 @@
-"""Writing results (shared by every benchmark here): number formats, markdown
-tables, the PNG helper and the json/md/png files under --out."""
+"""The report writer of every benchmark here: number formats, markdown tables, the
+json and md files under --out, and what a --selftest reads back from them.
+(The PNGs for the docs are plot.py's.)"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from timing import percentile
+
 DASH = "—"
-
-
-def ratio(a, b):
-    """a / b, None when either is missing (0 / 0 is 1)."""
-    if a is None or b is None:
-        return None
-    if b == 0:
-        return 1.0 if a == 0 else None
-    return a / b
 
 
 def num(x, spec="{:.3f}"):
@@ -37,40 +31,6 @@ def md_table(head, rows):
     return "\n".join(lines)
 
 
-def pyplot():
-    """matplotlib.pyplot on the Agg backend, or None (the PNG is then skipped)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        print(f"plot skipped: {e}")
-        return None
-    return plt
-
-
-def log_ratio_axis(ax, label):
-    """A log y axis with plain ratio ticks and a line at 1."""
-    ax.axhline(1.0, color="black", linewidth=1)
-    ax.set_yscale("log")
-    ticks = [0.5, 0.75, 1, 1.1, 1.25, 1.5, 2, 3, 4, 6, 8, 16, 32, 64, 128]
-    lo, hi = ax.get_ylim()
-    shown = [t for t in ticks if lo <= t <= hi]
-    ax.set_yticks(shown, [f"{t:g}" for t in shown])
-    ax.minorticks_off()
-    ax.set_ylabel(label)
-
-
-def save_figure(fig, path):
-    """Writes the figure as a PNG and frees it; True (a plot function's answer)."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
 def stack_title(stack):
     return f"{stack['gpu']}, torch {stack['torch']}, cuDNN {stack['cudnn']}, {stack['date'][:10]}"
 
@@ -81,17 +41,33 @@ def write_json(result, out_dir, stem):
     (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
 
 
-def write_outputs(result, out_dir, stem, markdown, plots=()):
-    """<stem>.json, <stem>.md and one <stem><suffix>.png per (suffix, plot(result, path)) under
-    out_dir; returns the names of the files written (a plot returns False when it has nothing)."""
-    out_dir = Path(out_dir)
+def write_outputs(result, out_dir, stem, markdown):
+    """<stem>.json and <stem>.md under out_dir; returns the names of the files written."""
     write_json(result, out_dir, stem)
-    (out_dir / f"{stem}.md").write_text(markdown)
-    written = [f"{stem}.json", f"{stem}.md"]
-    for suffix, plot in plots:
-        try:
-            if plot(result, out_dir / f"{stem}{suffix}.png"):
-                written.append(f"{stem}{suffix}.png")
-        except Exception as e:  # noqa: BLE001 - a broken plot must not cost the tables of a GPU run
-            print(f"plot {stem}{suffix}.png failed: {type(e).__name__}: {e}")
-    return written
+    (Path(out_dir) / f"{stem}.md").write_text(markdown)
+    return [f"{stem}.json", f"{stem}.md"]
+
+
+# ------------------------------------------------------------ read back by the selftests
+
+
+def table_rows(md, title):
+    """The body rows of the first markdown table after the line that starts with `title`."""
+    lines = md.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(title))
+    rows, seen_table = [], False
+    for line in lines[start + 1:]:
+        if line.startswith("|"):
+            seen_table = True
+            rows.append([c.strip() for c in line.strip("|").split("|")])
+        elif seen_table:
+            break
+    assert rows, f"no table after {title!r}"
+    return rows[2:]  # past the head and the |---| line
+
+
+def check_round_ratio(runs, ratios, name, base, key):
+    """A stored paired ratio is the median [min, max] of the per-round ratios of the raw times."""
+    per_round = [a / b for a, b in zip(runs[name][key], runs[base][key])]
+    assert abs(ratios["median"] - percentile(per_round, 50)) < 1e-12, (name, key)
+    assert ratios["min"] == min(per_round) and ratios["max"] == max(per_round), (name, key)

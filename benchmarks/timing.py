@@ -1,26 +1,25 @@
-"""How every benchmark here times things (bench_sdpa, bench_host, bench_block, bench_model).
+"""How every benchmark here times things (bench_sdpa, bench_block, bench_model,
+bench_varlen_model): the clocks, paired rounds and their statistics.
 
-Seven clocks, each for one question:
-  * per_call_ms: a CUDA event pair around each call. What a user's own timer
-    sees; it includes the host's launch work whenever a call is shorter than
-    its launches (a 0.1 ms forward is), so it can measure the CPU, not the GPU.
+The clocks, each for one question:
   * device_ms: every repeat enqueued behind a spin kernel that holds the GPU,
-    so each event pair brackets only that call's kernels; the host time of
-    each call is taken on the way (the GPU never makes the host wait).
-  * host_ms: the host time of one whole training step while a spin holds
-    the GPU, so the host never waits for it.
+    so each event pair brackets only that call's kernels, not the host's time
+    to launch them; the host time of each call is taken on the way.
+  * call_host_us: the host time of single calls while a spin holds the GPU
+    (no call waits for it), their results kept.
+  * once_ms: one call, synchronised before and after (a first call's cost).
+  * host_ms: the host time of one whole training step while a spin holds the
+    GPU.
   * busy_ms: the GPU's kernel, memcpy and memset time of one call, from the
-    profiler: device time of a whole training step, whose thousands of
+    profiler: the device time of a whole training step, whose thousands of
     launches no spin can hold.
-  * wall_ms: back-to-back calls, synchronised once at the end: what a
-    training loop feels, host and device together.
-  * call_host_us: the host time of single calls while a spin holds the
-    GPU, their results kept (bench_host's layers).
+  * wall_ms: back-to-back calls, synchronised once at the end.
   * synced_steps_ms: whole training steps timed one by one, synchronised
-    before and after each, for a median of many (bench_model's wall time).
+    before and after each, for a median of many.
+  * peak_mib: the peak memory a call allocates.
 
 Drift of clocks and temperature over a run moves separate timings minutes
-apart by a few percent (the A/A control read up to 1.04x unpaired), so
+apart by a few percent (an A/A control read up to 1.04x unpaired), so
 comparisons are paired: paired_rounds() measures every contender once per
 round, the order rotating, and a ratio is the median of the per-round
 ratios. The A/A control (again()) is the baseline measured a second time
@@ -63,10 +62,10 @@ def percentile(xs, p):
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def stats(samples, unit="ms"):
-    """Median, p10, p90 and min of a list of timings, keys suffixed with the unit."""
-    return {f"median_{unit}": percentile(samples, 50), f"p10_{unit}": percentile(samples, 10),
-            f"p90_{unit}": percentile(samples, 90), f"min_{unit}": min(samples), "n": len(samples)}
+def stats(samples):
+    """Median, p10, p90 and min of a list of timings in ms."""
+    return {"median_ms": percentile(samples, 50), "p10_ms": percentile(samples, 10),
+            "p90_ms": percentile(samples, 90), "min_ms": min(samples), "n": len(samples)}
 
 
 def over_rounds(values):
@@ -79,30 +78,6 @@ def geomean(xs):
 
 
 # ---------------------------------------------------------------------- clocks
-
-
-def per_call_ms(fn, warmup, repeats, setup=None):
-    """stats() of fn(setup()) timed with an event pair around each call (setup untimed)."""
-    marks = []
-    for i in range(warmup + repeats):
-        arg = setup() if setup else None
-        if cuda():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(arg)
-            end.record()
-            mark = (start, end)
-        else:
-            t0 = time.perf_counter()
-            fn(arg)
-            mark = (time.perf_counter() - t0) * 1e3
-        del arg
-        if i >= warmup:
-            marks.append(mark)
-    if cuda():
-        torch.cuda.synchronize()
-        marks = [s.elapsed_time(e) for s, e in marks]
-    return stats(marks)
 
 
 _cycles_per_ms = None
@@ -131,56 +106,55 @@ def hold_gpu(warm_ms, repeats):
     spin(min(SPIN_MAX_MS, max(SPIN_MIN_MS, need_ms)))
 
 
-def device_ms(steps, warmup, repeats, setup=None):
+def device_ms(steps, warmup, repeats):
     """Device time of each call, with the host kept ahead of the GPU.
 
-    steps: a callable, or a tuple of callables run as a chain (each gets the
-    previous one's result; the first gets setup()'s). A spin kernel holds the
+    steps: a callable, or a tuple of callables run as a chain (the first gets
+    None, each next one the previous one's result). A spin kernel holds the
     stream while every repeat is enqueued, so each event pair brackets only
-    the chain's kernels (setup's run before the start event) and no host
-    launch gap. Returns stats() of the device time, plus:
-      host_us: per step of the chain, stats(unit="us") of the host time of
-               each call (the GPU never blocks the host meanwhile);
-      covered: the spin still ran when the last repeat was enqueued (False:
-               the figures may hold host time);
-      gap_us:  without a setup, the longest GPU idle time between two calls.
+    the chain's kernels, no host launch gap. Returns stats() of the device
+    time, and covered: the spin still ran when the last repeat was enqueued
+    (False: the figures may hold host time; None without CUDA).
     """
     steps = steps if isinstance(steps, tuple) else (steps,)
-    host = [[] for _ in steps]
 
-    def call(events=None):
-        x = setup() if setup else None
-        if events:
-            events[0].record()
-        for i, step in enumerate(steps):
-            t0 = time.perf_counter()
+    def call():
+        x = None
+        for step in steps:
             x = step(x)
-            host[i].append((time.perf_counter() - t0) * 1e6)
-        if events:
-            events[1].record()
 
     t0 = time.perf_counter()
     for _ in range(warmup):
         call()
     warm_ms = (time.perf_counter() - t0) * 1e3 / warmup if warmup else None
-    host = [[] for _ in steps]
-    if not cuda():  # the host clock: a call's time is the sum of its steps
+    if not cuda():  # the host clock
+        times = []
         for _ in range(repeats):
+            t0 = time.perf_counter()
             call()
-        total = [sum(parts) / 1e3 for parts in zip(*host)]
-        return {**stats(total), "host_us": [stats(h, "us") for h in host], "covered": None, "gap_us": None}
+            times.append((time.perf_counter() - t0) * 1e3)
+        return {**stats(times), "covered": None}
     hold_gpu(warm_ms, repeats)
     marks = []
     for _ in range(repeats):
         marks.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
-        call(marks[-1])
+        marks[-1][0].record()
+        call()
+        marks[-1][1].record()
     covered = not marks[0][0].query()
     torch.cuda.synchronize()
-    out = {**stats([s.elapsed_time(e) for s, e in marks]), "host_us": [stats(h, "us") for h in host],
-           "covered": covered, "gap_us": None}
-    if setup is None:
-        out["gap_us"] = max((e.elapsed_time(s) * 1e3 for (_, e), (s, _) in zip(marks, marks[1:])), default=0.0)
-    return out
+    return {**stats([s.elapsed_time(e) for s, e in marks]), "covered": covered}
+
+
+def once_ms(fn):
+    """Wall ms of one fn() call, synchronised before and after."""
+    if cuda():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if cuda():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def call_host_us(call, warmup, repeats):

@@ -1,17 +1,20 @@
 """Each benchmark's --selftest: its real code on the CPU with tiny shapes (every
-clock falls back to the host clock), then benchmarks/selftest.py's checks of
-its tables, summaries and files; and benchmarks/plot.py's tables and plots
-made from those files. The timings themselves come from the GPU machine
+clock falls back to the host clock), then the benchmark's own checks of its
+tables, summaries and files; and benchmarks/plot.py's tables and plots made
+from those files. The timings themselves come from the GPU machine
 (docs/performance.md)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from support import load_benchmark
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -22,22 +25,6 @@ def selftest(script, out):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "selftest OK" in r.stdout
     return r.stdout
-
-
-def test_op_benchmark_selftest(tmp_path):
-    selftest("bench_sdpa.py", tmp_path)
-    result = json.loads((tmp_path / "bench.json").read_text())
-    n = len(result["cases"])
-    assert n == 6  # 3 tiny shapes x 2 layouts
-    assert result["summary"]["openwam-auto"]["measured"] == n
-    assert result["paired_summary"]["openwam-default"]["measured"] == n
-    assert len(result["shares"]) == 4 and all(len(e["cells"]) == 4 for e in result["shares"])
-    assert len(result["memory"]) == 6
-    md = (tmp_path / "bench.md").read_text()
-    for title in ("**Paired device time**", "**Host time per call**", "**Affected share**",
-                  "**Peak memory with large masks**"):
-        assert title in md
-    check_plot_of_op_benchmark(tmp_path, result)
 
 
 def plot(tmp_path, *files):
@@ -54,21 +41,49 @@ def has_matplotlib():
     return subprocess.run([sys.executable, "-c", "import matplotlib"], capture_output=True).returncode == 0
 
 
-def check_plot_of_op_benchmark(tmp_path, result):
-    """plot.py on bench.json: one row per share shape and per methods case, every
-    ratio cell a number, and the share plot where matplotlib is installed."""
-    bench = tmp_path / "bench.json"
-    md, pngs = plot(tmp_path, f"shares={bench}", f"quick={bench}", f"memory={bench}")
-    sections = {s.split("\n", 1)[0]: s for s in md.split("### ")[1:]}
-    assert set(sections) == {"shares", "quick", "memory"}
-    share_rows = [line for line in sections["shares"].splitlines() if line.startswith("| B")]
-    assert len(share_rows) == len(result["shares"])
-    for row in share_rows:
-        ratios = [c.strip() for c in row.strip("|").split("|")][2:]
-        assert all(float(c) > 0 for c in ratios), row
-    assert f"openwam_sdpa in 0 of {4 * len(result['shares'])}." in sections["shares"]
-    assert len([line for line in sections["quick"].splitlines() if line.startswith("| B")]) == len(result["cases"])
-    assert pngs == (["shares.png"] if has_matplotlib() else [])
+def test_op_benchmark_selftest(tmp_path):
+    selftest("bench_sdpa.py", tmp_path)
+    result = json.loads((tmp_path / "sdpa.json").read_text())
+    # 4 tiny shapes; 2 adversarial cases x 4 shares; 1 first-call case; 4 shapes + 3 large masks
+    assert {s: len(result[s]) for s in ("paired", "adversarial", "host", "first_call", "memory")} == {
+        "paired": 4, "adversarial": 8, "host": 4, "first_call": 1, "memory": 7}
+    assert [e["share"] for e in result["adversarial"]] == ["none", "one_per_head", "0.1", "all"] * 2
+    md, pngs = plot(tmp_path, f"sdpa={tmp_path / 'sdpa.json'}")
+    assert md.count("| B") == 4 + 8 + 4 + 1 + 7  # every entry a row in the tables plot.py prints
+    assert pngs == (["adversarial.png"] if has_matplotlib() else [])
+
+
+def test_a_failed_case_keeps_its_row_and_says_why(tmp_path):
+    selftest("bench_sdpa.py", tmp_path)
+    bench = load_benchmark("bench_sdpa.py")
+    report = load_benchmark("report.py")
+    result = json.loads((tmp_path / "sdpa.json").read_text())
+    broken = copy.deepcopy(result)
+    for section in ("paired", "adversarial", "memory"):
+        e = broken[section][0]
+        broken[section][0] = {"case": e["case"], "label": e["label"], "error": "RuntimeError: made up here"}
+    md = bench.markdown(broken)
+    for title, section in (("**Paired device time**", "paired"), ("**Adversarial inputs**", "adversarial"),
+                           ("**Peak memory**", "memory")):
+        rows = report.table_rows(md, title)
+        assert len(rows) == len(result[section])
+        assert "RuntimeError: made up here" in rows[0]
+    assert "over 3 shapes" in md  # the paired summary leaves the failed shape out
+
+
+def test_quick_runs_the_named_cases_and_shapes_filters(tmp_path):
+    bench = load_benchmark("bench_sdpa.py")
+    quick = bench.parse_args(["--quick", "--out", str(tmp_path)])
+    for section, names in bench.QUICK.items():
+        assert [c.name for c in bench.cases_for(section, quick)] == [
+            c.name for c in {"paired": bench.PAIRED, "adversarial": bench.ADVERSARIAL,
+                             "first_call": bench.FIRST_CALL}[section] if c.name in names]
+        assert len(bench.cases_for(section, quick)) == len(names), section  # no name misspelt
+    only = bench.parse_args(["--shapes", "openwam", "--sections", "paired,host", "--out", str(tmp_path)])
+    assert all("openwam" in c.name for s in only.sections for c in bench.cases_for(s, only))
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "bench_sdpa.py"), "--shapes", "nope"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "leaves nothing to run" in r.stderr
 
 
 def test_plot_refuses_an_unknown_role(tmp_path):
@@ -85,15 +100,6 @@ def test_block_benchmark_selftest(tmp_path):
     md, _ = plot(tmp_path, f"block={tmp_path / 'block.json'}")
     rows = [line.split("|")[1].strip() for line in md.splitlines() if line.startswith("| ")]
     assert rows == ["per step", "GPU busy", "host", "wall"]
-
-
-def test_host_benchmark_selftest(tmp_path):
-    selftest("bench_host.py", tmp_path)
-    result = json.loads((tmp_path / "host.json").read_text())
-    assert [c["case"]["name"] for c in result["cases"]] == ["tiny"]
-    assert set(result["cases"][0]["forward"]["deltas"]) == {"openwam", "entry", "selector", "stock-again"}
-    md, _ = plot(tmp_path, f"host={tmp_path / 'host.json'}")
-    assert len([line for line in md.splitlines() if line.startswith("| tiny")]) == 1
 
 
 def test_model_benchmark_selftest(tmp_path):

@@ -28,8 +28,8 @@
 #   pytorch python tools/pytorch_sdpa_tests.py --device cuda --out $OUT/pt
 #           (PyTorch's own SDPA tests, plain and patched; carry .external)
 #   bench   python benchmarks/bench_sdpa.py --out $OUT/bench $BENCH_ARGS
-#   host    python benchmarks/bench_host.py --out $OUT/host (host time per
-#           call, layer by layer, paired rounds)
+#   host    python benchmarks/bench_sdpa.py --sections host --out $OUT/host
+#           (host time per forward and backward call, paired rounds)
 #   sanitize compute-sanitizer memcheck, racecheck and synccheck on the repair
 #           kernel alone (tools/repair_kernel_cases.py --cases small;
 #           report in $OUT/sanitize.txt)
@@ -286,7 +286,7 @@ if ((want_pytorch)); then
   st_pytorch=$REPLY
 fi
 if ((want_host)); then
-  script_part host 300 "$TESTS_LOG" "$PY" benchmarks/bench_host.py --out "$OUT/host"
+  script_part host 300 "$TESTS_LOG" "$PY" benchmarks/bench_sdpa.py --sections host --out "$OUT/host"
   st_host=$REPLY
 fi
 

@@ -1,23 +1,31 @@
 #!/usr/bin/env bash
-# The project's test command:   bash tools/test.sh
+# The project's test command (the README's command 2):   bash tools/test.sh
 #
-# 1. installs what the tests need (apt: cmake ninja-build g++ catch2, as root
-#    only; pip: torch==2.13.0 if no torch is importable, the list of
-#    tools/test_deps.sh (pytest, hypothesis, numpy, pybind11, wheel,
-#    setuptools >= 71), and transformers for the optional integration tests;
-#    pip -qq: this machine kind's pip configuration names package indexes
-#    that do not exist, and pip warns about each; errors still show),
-# 2. builds and installs the extension (pip install --no-build-isolation -e .),
-# 3. runs `python -m pytest -q tests` (tests/gpu skip themselves without CUDA),
-# 4. builds the C++ library and Catch2 tests with CMake in build/cmake and runs
-#    ctest.
+# It tests this checkout and leaves the Python environment as it is: nothing
+# is pip-installed into it, upgraded or replaced.
+#
+# 1. Dependencies. As root, apt-get installs what the C++ tests need and the
+#    machine lacks (cmake, ninja-build, g++, catch2). The Python packages the
+#    tests need and this Python lacks (tools/test_deps.sh: pytest,
+#    hypothesis...; transformers for the optional integration tests) go into
+#    build/test-deps/, put on PYTHONPATH for this run only.
+# 2. The extension. With an editable install of this checkout, it is rebuilt
+#    in place, as in the developer loop. Otherwise `setup.py build_ext --force`
+#    runs in the build tree that `pip install .` (command 1) leaves in build/:
+#    ninja recompiles what changed since (after command 1 on a fresh clone:
+#    nothing; a relink of a few seconds). If the installed openwam_sdpa has
+#    the same files as that build (_C.so byte for byte, every .py), pytest runs
+#    on the install; if not (no install, another checkout's, older sources),
+#    on a copy of this build in build/test/pkg, and the install is left alone.
+# 3. python -m pytest -q tests (tests/gpu skip themselves without CUDA).
+# 4. CMake in build/cmake: the op library is linked from the objects of step 2
+#    (not compiled a second time; a CPU-only extension's), the Catch2 tests
+#    are compiled with torch's headers precompiled; then ctest.
 # Steps 3 and 4 both run even if the other fails; the exit status is non-zero
 # if any step failed. Logs: build/test-logs/.
 #
 # Environment: PYTHON (default python3), MAX_JOBS (default: all cores),
-#   CATCH2_INCLUDE_DIR / CATCH2_PREFIX (a Catch2 v2 outside /usr),
-#   OPENWAM_REINSTALL=1 (force the pip install even where an editable install
-#   of this checkout exists; CI always does it).
+#   CATCH2_INCLUDE_DIR / CATCH2_PREFIX (a Catch2 v2 outside /usr).
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -26,6 +34,8 @@ PY=${PYTHON:-python3}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 LOGS=$ROOT/build/test-logs
+DEPS=$ROOT/build/test-deps
+STAGE=$ROOT/build/test/pkg
 CMAKE_DIR=$ROOT/build/cmake
 mkdir -p "$LOGS"
 
@@ -53,18 +63,22 @@ if ((${#apt_pkgs[@]})); then
 fi
 
 if ! "$PY" -c 'import torch' 2>/dev/null; then
-  say "no importable torch: pip install torch==2.13.0"
-  "$PY" -m pip install -qq torch==2.13.0 || { say "installing torch failed"; exit 1; }
+  say "$PY cannot import torch: run the README's command 1 first (it installs torch when none is there)"
+  exit 1
 fi
+# From here on every Python of this run finds build/test-deps first on its path.
+export PYTHONPATH="$DEPS${PYTHONPATH:+:$PYTHONPATH}"
 source tools/test_deps.sh
 mapfile -t pip_pkgs < <(test_deps_missing "$PY")
 if ((${#pip_pkgs[@]})); then
-  say "pip install ${pip_pkgs[*]}"
-  "$PY" -m pip install -qq "${pip_pkgs[@]}" || { say "pip install failed"; exit 1; }
+  say "pip install --target build/test-deps ${pip_pkgs[*]} (and what they need that $PY lacks)"
+  test_deps_install "$PY" "$DEPS" "${pip_pkgs[@]}" ||
+    { grep -v "is ignored: it is neither" "$DEPS/pip.log" | tail -20; say "pip install failed"; exit 1; }
 fi
 if ! "$PY" -c 'import transformers' 2>/dev/null; then
-  say "pip install transformers (optional: only its integration tests need it)"
-  "$PY" -m pip install -qq transformers || say "WARNING: transformers not installed; its tests will skip"
+  say "pip install --target build/test-deps transformers (optional: only its integration tests need it)"
+  test_deps_install "$PY" "$DEPS" transformers ||
+    say "WARNING: transformers not installed (build/test-deps/pip.log); its tests will skip"
 fi
 "$PY" - <<'EOF'
 import sys, torch
@@ -74,24 +88,38 @@ EOF
 say "dependencies ready ($(elapsed))"
 
 # ------------------------------------------------------------ 2. the extension
+# Where `import openwam_sdpa` would load it from (found, not imported), or "".
+installed=$(cd / && "$PY" -c 'import importlib.util as u; s = u.find_spec("openwam_sdpa"); print(s.submodule_search_locations[0] if s else "")' 2>/dev/null)
 build_ok=1
-# An editable install of this checkout maps openwam_sdpa to python/: then an
-# in-place incremental rebuild (ninja in build/py) is all that is needed.
-# (pip's own editable build always starts from an empty temp dir.)
-installed_here=0
-if [[ "${CI:-}" != "true" && "${OPENWAM_REINSTALL:-0}" == "0" ]]; then
-  loc=$(cd /tmp && "$PY" -c 'import importlib.util as u; s=u.find_spec("openwam_sdpa"); print(s.submodule_search_locations[0] if s else "")' 2>/dev/null || true)
-  [[ "$loc" == "$ROOT/python/openwam_sdpa" ]] && installed_here=1
-fi
-if ((installed_here)); then
-  say "editable install of this checkout found: incremental build_ext --inplace (MAX_JOBS=$MAX_JOBS)"
-  "$PY" setup.py -q build_ext --inplace --build-temp build/py >"$LOGS/build_py.log" 2>&1 || build_ok=0
+if [[ "$installed" == "$ROOT/python/openwam_sdpa" ]]; then
+  build_temp=$ROOT/build/py
+  say "editable install of this checkout: build_ext --inplace (MAX_JOBS=$MAX_JOBS; ninja recompiles what changed)"
+  # --force: without it setuptools skips the build when _C.so is newer than
+  # every .cpp, and a changed header would not be compiled in.
+  "$PY" setup.py -q build_ext --inplace --force --build-temp "$build_temp" >"$LOGS/build_py.log" 2>&1 || build_ok=0
+  under_test="the editable install of this checkout"
 else
-  say "pip install --no-build-isolation --no-deps -e . (MAX_JOBS=$MAX_JOBS)"
-  "$PY" -m pip install --no-build-isolation --no-deps -v -e . >"$LOGS/build_py.log" 2>&1 || build_ok=0
+  # The build tree `pip install .` used: setuptools' default temp dir.
+  build_temp=$ROOT/$("$PY" -c 'from setuptools.dist import Distribution
+b = Distribution().get_command_obj("build"); b.finalize_options(); print(b.build_temp)')
+  rm -rf "$STAGE" "$ROOT/build/test/lib" && mkdir -p "$STAGE"
+  say "setup.py build_ext in ${build_temp#"$ROOT"/} (MAX_JOBS=$MAX_JOBS; ninja recompiles what changed)"
+  "$PY" setup.py -q build_ext --force --build-temp "$build_temp" --build-lib build/test/lib \
+    egg_info --egg-base "$STAGE" >"$LOGS/build_py.log" 2>&1 || build_ok=0
+  if ((build_ok)) && [[ -n "$installed" ]] &&
+     "$PY" tools/installed_is_build.py "$installed" python/openwam_sdpa build/test/lib/openwam_sdpa
+  then
+    rm -rf "$STAGE"
+    under_test="the installed openwam_sdpa ($installed): the same files as this checkout's build"
+  elif ((build_ok)); then
+    cp -r python/openwam_sdpa "$STAGE/" && rm -rf "$STAGE/openwam_sdpa/__pycache__" "$STAGE"/openwam_sdpa/_C*.so &&
+      cp build/test/lib/openwam_sdpa/_C*.so "$STAGE/openwam_sdpa/" || build_ok=0
+    export PYTHONPATH="$STAGE:$PYTHONPATH"
+    under_test="this checkout's build in build/test/pkg (on PYTHONPATH; ${installed:-no openwam_sdpa is installed}${installed:+ is not this build and is left alone})"
+  fi
 fi
 if ((build_ok)); then
-  say "extension built ($(elapsed))"
+  say "extension built ($(elapsed)); testing $under_test"
 else
   grep -E -B2 -A8 "error|Error" "$LOGS/build_py.log" | head -80
   say "FAILED: building the extension (full log: build/test-logs/build_py.log)"
@@ -120,7 +148,25 @@ cmake_args=(-S "$ROOT" -B "$CMAKE_DIR" -DCMAKE_BUILD_TYPE=Release
 command -v ninja >/dev/null && [[ ! -f "$CMAKE_DIR/CMakeCache.txt" ]] && cmake_args+=(-G Ninja)
 [[ -n "${CATCH2_INCLUDE_DIR:-}" ]] && cmake_args+=(-DCATCH2_INCLUDE_DIR="$CATCH2_INCLUDE_DIR")
 [[ -n "${CATCH2_PREFIX:-}" ]] && cmake_args+=(-DCMAKE_PREFIX_PATH="$CATCH2_PREFIX")
-say "cmake configure + build (build/cmake, -j$MAX_JOBS)"
+# A CPU-only extension's objects, as step 2's build.ninja lists them (the
+# Python bindings in csrc/python/ aside), are the library's sources compiled
+# with the same macros CMake gives them: the library is linked from them. A
+# CUDA build compiles more (the cuDNN frontend, its macros and link libraries)
+# than CMake's library holds; there CMake compiles csrc itself.
+objects=()
+if ((build_ok)) && [[ -f "$build_temp/build.ninja" ]] &&
+   ! grep -qE 'cuda_compile|-DOPENWAM_WITH_CUDA' "$build_temp/build.ninja"; then
+  mapfile -t objects < <(sed -nE 's|^build (.*\.o): compile .*|\1|p' "$build_temp/build.ninja" |
+                         grep -v '/csrc/python/')
+fi
+if ((${#objects[@]})); then
+  cmake_args+=("-DOPENWAM_PREBUILT_OBJECTS=$(IFS=';'; echo "${objects[*]}")" -DOPENWAM_WITH_CUDA=OFF)
+  say "cmake configure + build (build/cmake, -j$MAX_JOBS): the library linked from ${#objects[@]} objects of step 2"
+else
+  # -U: CMake decides CUDA afresh, whatever an earlier run of the other kind left cached.
+  cmake_args+=(-DOPENWAM_PREBUILT_OBJECTS= -UOPENWAM_WITH_CUDA)
+  say "cmake configure + build (build/cmake, -j$MAX_JOBS): the library compiled from csrc"
+fi
 if cmake "${cmake_args[@]}" >"$LOGS/cmake.log" 2>&1 &&
    cmake --build "$CMAKE_DIR" -j "$MAX_JOBS" >>"$LOGS/cmake.log" 2>&1; then
   say "C++ library and tests built ($(elapsed)); ctest"
