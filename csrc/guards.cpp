@@ -73,7 +73,8 @@ const std::vector<GuardRule>& table() {
        "9.19.0, head_dim 64 and 128",
        "backward NaN in dQ rows with logsumexp < -88.7 when s_kv % 128 == 64",
        "repair the dQ rows with a very negative logsumexp (dropout: pad K/V)",
-       "cudnn-frontend #160, PR #628; pytorch #196678; this project's H200 sweep"},
+       "cudnn-frontend #160, PR #628; pytorch #196678; measured by this project on an "
+       "H200 (torch 2.11.0, cuDNN 9.19.0)"},
       // The same defect elsewhere before its fix. torch 2.7.1 with cuDNN 9.7.1
       // failed for every s_kv % 128 != 0; versions and head_dims nobody
       // measured are treated the same way. The fix in 9.26 is upstream's word:
@@ -103,7 +104,8 @@ const std::vector<GuardRule>& table() {
        "backward NaN in dK and dV for batch 1, s_q == 1 and a logsumexp below "
        "about -89 (not with is_causal)",
        "the backward runs with a second, zero query row",
-       "this project's H200 sweep; cudnn-frontend #1072 (9.25.1, 9.26)"},
+       "cudnn-frontend #1072 (reported on 9.25.1 and 9.26); measured by this project on "
+       "an H200 (torch 2.11.0, cuDNN 9.19.0)"},
       // Reported on 9.25.1.1 and 9.26.0.51 (torch 2.15.0's pin); the versions
       // between are assumed affected, is_causal included (not measured there).
       {"sq1_nan_dk_dv",
@@ -137,8 +139,8 @@ const std::vector<GuardRule>& table() {
        "query per sequence",
        "sdpa_varlen runs the call on FlashAttention-2 varlen (or its "
        "block-diagonal fallback), whatever OPENWAM_SDPA_VARLEN says",
-       "this project's H200 sweep (torch 2.11.0+cu130); ATen's backward sizes its "
-       "ragged graph by head_dim instead of the longest sequence (read in its source); "
+       "measured by this project on an H200 (torch 2.11.0, cuDNN 9.19.0); pytorch #186142 (ATen's "
+       "backward sizes its ragged graph by head_dim instead of the longest sequence); "
        "related: TransformerEngine #3249 (a ragged backward read its stats as dense)"},
       // Every other version: not measured, so treated as 9.19.0 was found.
       {"ragged_wrong",
@@ -147,9 +149,9 @@ const std::vector<GuardRule>& table() {
        &ragged_hits,
        Fix::kAvoidCudnn,
        "every version other than 9.19.0",
-       "cuDNN's ragged layout gave wrong dQ and hung at s_q == 1 (torch 2.7 probe; "
+       "cuDNN's ragged layout gave wrong dQ and hung at s_q == 1 (also with torch 2.7's cuDNN; "
        "measured wrong on 9.19.0, row above); ATen's backward sizes its ragged graph "
-       "by head_dim instead of the longest sequence (read in its source)",
+       "by head_dim instead of the longest sequence (pytorch #186142)",
        "sdpa_varlen runs the call on FlashAttention-2 varlen (or its "
        "block-diagonal fallback); OPENWAM_SDPA_VARLEN=cudnn overrides",
        "conservative: not measured by this project except on 9.19.0 (row above); "
