@@ -76,8 +76,8 @@ const std::vector<GuardRule>& table() {
        "backward NaN in dQ rows with logsumexp < -88.7 when s_kv % 128 == 64",
        "the backward runs with cuDNN's padding mask (ATen fallback: K/V padded to a "
        "multiple of 128)",
-       "cudnn-frontend #160, PR #628; pytorch #196678; measured on an H200 with "
-       "torch 2.11.0 and cuDNN 9.19.0"},
+       "cudnn-frontend #160, PR #628; pytorch #196678; measured by this project on an "
+       "H200 (torch 2.11.0, cuDNN 9.19.0)"},
       // The same defect elsewhere before its fix. torch 2.7.1 with cuDNN 9.7.1
       // failed for every s_kv % 128 != 0; versions and head_dims nobody
       // measured are treated the same way. The fix in 9.26 is upstream's word.
@@ -108,7 +108,8 @@ const std::vector<GuardRule>& table() {
        "about -89 (not with is_causal)",
        "the backward runs with cuDNN's padding mask (ATen fallback: a second, zero "
        "query row)",
-       "cudnn-frontend #1072; measured on an H200 with torch 2.11.0 and cuDNN 9.19.0"},
+       "cudnn-frontend #1072 (reported on 9.25.1 and 9.26); measured by this project on "
+       "an H200 (torch 2.11.0, cuDNN 9.19.0)"},
       // Reported on 9.25.1.1 and 9.26.0.51 (torch 2.15.0's pin); the versions
       // between are assumed affected, is_causal included.
       {"sq1_nan_dk_dv",
@@ -143,9 +144,9 @@ const std::vector<GuardRule>& table() {
        "query per sequence",
        "sdpa_varlen runs the call on FlashAttention-2 varlen (or its "
        "block-diagonal fallback), whatever OPENWAM_SDPA_VARLEN says",
-       "measured on an H200 with torch 2.11.0 and cuDNN 9.19.0; pytorch #186142 "
-       "(ATen's backward sizes its ragged graph by head_dim instead of the longest "
-       "sequence); related: TransformerEngine #3249"},
+       "measured by this project on an H200 (torch 2.11.0, cuDNN 9.19.0); pytorch #186142 (ATen's "
+       "backward sizes its ragged graph by head_dim instead of the longest sequence); "
+       "related: TransformerEngine #3249 (a ragged backward read its stats as dense)"},
       // Every other version: not measured, so treated as 9.19.0 was found.
       {"ragged_wrong",
        {0, kAfterNewest},
@@ -153,8 +154,9 @@ const std::vector<GuardRule>& table() {
        &ragged_hits,
        Fix::kAvoidCudnn,
        "every version other than 9.19.0",
-       "cuDNN's ragged layout through ATen gave wrong dQ and hung at s_q == 1 "
-       "(measured on 9.19.0, row above)",
+       "cuDNN's ragged layout gave wrong dQ and hung at s_q == 1 (also with torch 2.7's cuDNN; "
+       "measured wrong on 9.19.0, row above); ATen's backward sizes its ragged graph "
+       "by head_dim instead of the longest sequence (pytorch #186142)",
        "sdpa_varlen runs the call on FlashAttention-2 varlen (or its "
        "block-diagonal fallback); OPENWAM_SDPA_VARLEN=cudnn overrides",
        "pytorch #186142; conservative: measured on 9.19.0 only (row above); "

@@ -68,9 +68,9 @@ def test_guard_rules_unmeasured_rows_say_so(ow):
     for rule in ow.guard_rules():
         if rule["measured_first_version"] >= rule["measured_end_version"]:
             assert "conservative" in rule["source"], rule
-            assert "measured on an H200" not in rule["source"], rule
+            assert "measured by this project on" not in rule["source"], rule
         else:
-            assert "measured on an H200 with torch" in rule["source"], rule
+            assert "measured by this project on an H200" in rule["source"], rule
             assert "conservative" not in rule["source"], rule
 
 
