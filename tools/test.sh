@@ -151,8 +151,8 @@ command -v ninja >/dev/null && [[ ! -f "$CMAKE_DIR/CMakeCache.txt" ]] && cmake_a
 # A CPU-only extension's objects, as step 2's build.ninja lists them (the
 # Python bindings in csrc/python/ aside), are the library's sources compiled
 # with the same macros CMake gives them: the library is linked from them. A
-# CUDA build compiles more (the cuDNN frontend, its macros and link libraries)
-# than CMake's library holds; there CMake compiles csrc itself.
+# CUDA build's objects come with CUDA sources, flags and link libraries of
+# their own; there CMake compiles csrc itself.
 objects=()
 if ((build_ok)) && [[ -f "$build_temp/build.ninja" ]] &&
    ! grep -qE 'cuda_compile|-DOPENWAM_WITH_CUDA' "$build_temp/build.ninja"; then

@@ -73,14 +73,15 @@ def _type_name(value) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-_INT64 = range(-(2**63), 2**63)
+# The values an int64 argument takes.
+INT64 = range(-(2**63), 2**63)
 
 
 def _as_int(value):
     if isinstance(value, torch.SymInt) or (type(value) is int and torch.compiler.is_compiling()):
         return value  # symbolic while traced: its range is the tracer's
     value = int(value)
-    if value not in _INT64:
+    if value not in INT64:
         torch.tensor(value)  # raises the parser's ValueError (its unpacking of an int64)
     return value
 

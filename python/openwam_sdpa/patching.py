@@ -23,11 +23,8 @@ _REQUIRED = _arguments.REQUIRED
 def scaled_dot_product_attention(query=_REQUIRED, key=_REQUIRED, value=_REQUIRED,
                                  attn_mask=None, dropout_p=0.0, is_causal=False, *extra,
                                  scale=None, enable_gqa=False, **unknown):
-    if extra or unknown:
-        return sdpa(query, key, value, attn_mask, dropout_p, is_causal, *extra,
-                    scale=scale, enable_gqa=enable_gqa, **unknown)
-    return sdpa(query, key, value, attn_mask, dropout_p, is_causal,
-                scale=scale, enable_gqa=enable_gqa)
+    return sdpa(query, key, value, attn_mask, dropout_p, is_causal, *extra,
+                scale=scale, enable_gqa=enable_gqa, **unknown)
 
 
 scaled_dot_product_attention.__doc__ = _PYTORCH_SDPA.__doc__

@@ -16,7 +16,6 @@ from ._extension import _C  # noqa: F401  (registers the ops)
 
 _OP = torch.ops.openwam.sdpa_varlen.default
 _Tensor = torch.Tensor
-_INT64 = range(-(2**63), 2**63)
 _compiling = torch.compiler.is_compiling
 
 
@@ -27,7 +26,7 @@ def _parsed(function, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     pass as bools) and its errors quote the op's schema."""
     if (type(max_seqlen_q) is int and type(max_seqlen_k) is int
             # (a traced int is symbolic: its range is the tracer's to know)
-            and (_compiling() or (max_seqlen_q in _INT64 and max_seqlen_k in _INT64))
+            and (_compiling() or (max_seqlen_q in _arguments.INT64 and max_seqlen_k in _arguments.INT64))
             and type(is_causal) is bool
             and type(enable_gqa) is bool and type(dropout_p) is float
             and (scale is None or type(scale) is float)
