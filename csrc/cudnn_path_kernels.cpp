@@ -278,8 +278,9 @@ void note_fallback(const std::string& why_not, const Plan& plan) {
              "'. openwam_sdpa.frontend_stats() lists every such configuration.");
 }
 
-// The frontend's backward on inputs the plan padded (the K/V shim), without
-// the padding mask.
+// The frontend's backward on inputs a plan padded: the K/V shim runs without
+// the padding mask, the grown query row with it.
+template <bool padding_mask>
 Tensors3 frontend_padded_backward(const at::Tensor& grad_out, const at::Tensor& q,
                                   const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                                   const at::Tensor& logsumexp, const at::Tensor& philox_seed,
@@ -288,7 +289,7 @@ Tensors3 frontend_padded_backward(const at::Tensor& grad_out, const at::Tensor& 
   Tensors3 grads;
   std::string why_not;
   if (frontend::sdpa_backward(grad_out, q, k, v, out, logsumexp, philox_seed, philox_offset,
-                              bias, dropout_p, is_causal, scale, /*padding_mask=*/false, grads,
+                              bias, dropout_p, is_causal, scale, padding_mask, grads,
                               why_not)) {
     return grads;
   }
@@ -297,7 +298,9 @@ Tensors3 frontend_padded_backward(const at::Tensor& grad_out, const at::Tensor& 
                         dropout_p, is_causal, scale);
 }
 
-constexpr Engine kFrontendPaddedEngine{&cudnn_forward, &frontend_padded_backward};
+constexpr Engine kFrontendPaddedEngine{&cudnn_forward, &frontend_padded_backward<false>};
+constexpr Engine kFrontendGrownQueryEngine{&cudnn_forward, &frontend_padded_backward<true>};
+
 
 // With a bias, cuDNN's padding-mask backward is the slow corner: 1.10x-1.23x
 // stock's fwd+bwd at 360x64 to 4096x4032 (H200, cuDNN 9.19.0, bf16, head_dim
@@ -360,6 +363,19 @@ Tensors3 frontend_backward(const at::Tensor& grad_out, const at::Tensor& query,
     return backward_with_plan<kFrontendPaddedEngine>(grad_out, query, key, value, attn_bias,
                                                      out, logsumexp, philox_seed, philox_offset,
                                                      dropout_p, is_causal, scale, plan_bits);
+  }
+  if (plan.pad_query_backward) {
+    // Batch 1, one query row (cudnn-frontend #1072): the padding mask alone
+    // left non-finite gradients in 25 of 360 degenerate cells (H200, cuDNN
+    // 9.19.0, tests/gpu/test_degenerate_gpu.py), so the backward also gets a
+    // second, empty query row, as the ATen fallback does. The forward ran
+    // on the frontend with the padding mask, which covers the key tail: no
+    // K/V padding.
+    Plan grown = plan;
+    grown.pad_keys_backward = grown.pad_keys_forward = false;
+    return backward_with_plan<kFrontendGrownQueryEngine>(
+        grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset,
+        dropout_p, is_causal, scale, grown.to_int());
   }
   Tensors3 grads;
   std::string why_not;
