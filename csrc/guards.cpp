@@ -169,10 +169,20 @@ const std::vector<GuardRule>& table() {
 
 const std::vector<GuardRule>& guard_rules() { return table(); }
 
+std::vector<const GuardRule*> rules_covering(const CallShape& shape, long cudnn_version) {
+  std::vector<const GuardRule*> rules;
+  for (const GuardRule& rule : table()) {
+    if (rule.covers(shape, cudnn_version)) {
+      rules.push_back(&rule);
+    }
+  }
+  return rules;
+}
+
 GuardVerdict check_guards(const CallShape& shape, long cudnn_version) {
   GuardVerdict verdict;
   for (const GuardRule& rule : table()) {
-    if (!rule.versions.contains(cudnn_version) || !rule.hits(shape, cudnn_version)) {
+    if (!rule.covers(shape, cudnn_version)) {
       continue;
     }
     if (verdict.first_hit == nullptr) {
@@ -203,8 +213,7 @@ bool key_tail_defect(long cudnn_version, int64_t s_kv, int64_t head_dim,
   shape.head_dim = head_dim;
   shape.is_causal = is_causal;
   for (const GuardRule& rule : table()) {
-    if (rule.fix == Fix::kKeyTail && rule.versions.contains(cudnn_version) &&
-        rule.hits(shape, cudnn_version)) {
+    if (rule.fix == Fix::kKeyTail && rule.covers(shape, cudnn_version)) {
       return true;
     }
   }

@@ -53,10 +53,20 @@ struct GuardRule {
   const char* defect;
   const char* action;
   const char* source;
+
+  // Whether the rule covers this call: its versions hold `cudnn_version` and
+  // the defect hits the call's shape.
+  bool covers(const CallShape& shape, long cudnn_version) const {
+    return versions.contains(cudnn_version) && hits(shape, cudnn_version);
+  }
 };
 
 // Every rule, in the order they are checked.
 const std::vector<GuardRule>& guard_rules();
+
+// The rules that cover a differentiated call of this shape on `cudnn_version`,
+// in table order (explain's answer for a cuDNN that need not be loaded).
+std::vector<const GuardRule*> rules_covering(const CallShape& shape, long cudnn_version);
 
 // warn_once keeps one flag per row, for at most this many rows.
 constexpr std::size_t kMaxGuardRules = 16;

@@ -71,8 +71,7 @@ const GuardRule* ragged_rule(const VarlenCall& call, long version) {
   CallShape dense = shape;
   shape.ragged = true;
   for (const GuardRule& rule : guard_rules()) {
-    if (rule.versions.contains(version) && rule.hits(shape, version) &&
-        !rule.hits(dense, version)) {
+    if (rule.covers(shape, version) && !rule.hits(dense, version)) {
       return &rule;
     }
   }

@@ -157,11 +157,9 @@ py::list guard_hits(const at::Tensor& query, const at::Tensor& key, const at::Te
                                is_causal, scale, enable_gqa};
   py::list names;
   if (query.dim() != 3 && query.dim() != 4) return names;  // never on the cuDNN path
-  const openwam::CallShape shape = openwam::shape_of(call);
-  for (const auto& rule : openwam::guard_rules()) {
-    if (rule.versions.contains(cudnn_version) && rule.hits(shape, cudnn_version)) {
-      names.append(rule.name);
-    }
+  for (const openwam::GuardRule* rule :
+       openwam::rules_covering(openwam::shape_of(call), cudnn_version)) {
+    names.append(rule->name);
   }
   return names;
 }

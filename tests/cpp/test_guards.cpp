@@ -1,5 +1,6 @@
 // The guard table (csrc/guards.h): one test per rule row (its versions and
-// its predicate), the folding of the rows into one plan (check_guards),
+// its predicate), the rules that cover a call (rules_covering), the folding
+// of the rows into one plan (check_guards),
 // key_tail_defect, the warning, and the rows' fields.
 #include <c10/util/Exception.h>
 
@@ -55,11 +56,6 @@ CallShape shape(int64_t batch, int64_t heads, int64_t s_q, int64_t s_kv,
   s.is_causal = is_causal;
   s.dropout_p = dropout_p;
   return s;
-}
-
-// Does `r` fire for this call on this version (its versions and its predicate).
-bool fires(const GuardRule& r, const CallShape& s, long version) {
-  return r.versions.contains(version) && r.hits(s, version);
 }
 
 }  // namespace
@@ -176,7 +172,7 @@ TEST_CASE("rule bhsq1_backward_plan_segfault: 9.25.1 up to the newest known",
   const CallShape hit = shape(1, 1, 1, 300, 64);
   for (long v : {k9_25_1, k9_26_0, kNewestKnownCudnn}) {
     CAPTURE(v);
-    CHECK(fires(r, hit, v));
+    CHECK(r.covers(hit, v));
   }
   for (long v : {0L, k9_7_1, k9_19_0, k9_25_0, k9_25_1 - 1, kTooNew}) {
     CAPTURE(v);
@@ -373,6 +369,24 @@ TEST_CASE("check_guards: key tail and one query row fold into one plan", "[guard
   CHECK(name_of(verdict.first_hit) == "key_tail_nan_dq");
 }
 
+TEST_CASE("rules_covering: every row that covers the call, in table order", "[guards]") {
+  const auto names = [](const std::vector<const GuardRule*>& rules) {
+    std::vector<std::string> out;
+    for (const GuardRule* r : rules) out.push_back(r->name);
+    return out;
+  };
+  // Batch 1, one query row, s_kv % 128 == 64 on 9.19.0: both measured rows.
+  CHECK(names(openwam::rules_covering(shape(1, 2, 1, 320, 64), k9_19_0)) ==
+        std::vector<std::string>{"key_tail_nan_dq_9.19", "sq1_nan_dk_dv_9.19"});
+  // On 9.25.1 with one head the avoid row comes first, and the walk does not
+  // stop there (check_guards does).
+  CHECK(names(openwam::rules_covering(shape(1, 1, 1, 300, 64), k9_25_1)) ==
+        std::vector<std::string>{"bhsq1_backward_plan_segfault", "key_tail_nan_dq",
+                                 "sq1_nan_dk_dv"});
+  CHECK(openwam::rules_covering(shape(2, 8, 128, 256, 64), k9_19_0).empty());
+  CHECK(openwam::rules_covering(shape(1, 2, 1, 320, 64), kTooNew).empty());
+}
+
 TEST_CASE("check_guards: the avoid rule wins and stops", "[guards]") {
   // On 9.25.1 batch = heads = s_q = 1 with an unaligned key length would hit
   // the key tail and the single-row rows too: the avoid rule is checked
@@ -506,13 +520,13 @@ TEST_CASE("rules ragged_wrong_9.19 (measured) and ragged_wrong: ragged calls onl
     for (int64_t s_q : {1, 64}) {
       CAPTURE(version, s_q);
       CallShape dense = shape(1, 1, s_q, 192, 128);
-      CHECK_FALSE(fires(r, dense, version));
-      CHECK_FALSE(fires(measured, dense, version));
+      CHECK_FALSE(r.covers(dense, version));
+      CHECK_FALSE(measured.covers(dense, version));
       CallShape ragged = dense;
       ragged.ragged = true;
       // Exactly one of the two speaks for a ragged call: the measured row on 9.19.0.
-      CHECK(fires(measured, ragged, version) == (version == k9_19_0));
-      CHECK(fires(r, ragged, version) == (version != k9_19_0));
+      CHECK(measured.covers(ragged, version) == (version == k9_19_0));
+      CHECK(r.covers(ragged, version) == (version != k9_19_0));
     }
   }
   // check_guards (openwam::sdpa's dense calls) never meets a ragged row.
