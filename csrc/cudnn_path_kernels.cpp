@@ -199,6 +199,17 @@ Tensors3 backward_with_plan(const at::Tensor& grad_out, const at::Tensor& query,
   at::Tensor q = query, k = key, v = value, go = go_dense, o = out, lse = logsumexp;
   at::Tensor bias = attn_bias.value_or(at::Tensor());
   bool causal = is_causal;
+  if (plan.pad_query_backward && dropout_p == 0.0) {
+    // Batch 1, one query row: exact in fp32 and GEMV-sized, so no engine's
+    // backward runs (reference_attention.h says why). With dropout the
+    // engine must replay its own pattern: the query grows instead.
+    auto [dq, dk, dv] =
+        single_row_backward(go_dense, query, key, value, out, logsumexp, bias, is_causal, scale);
+    if (current_settings().check_finite) {
+      check_finite_gradients(dq, dk, dv, query, key, logsumexp, plan);
+    }
+    return {dq, dk, dv};
+  }
   if (plan.pads_keys()) {
     PaddedKeys p = pad_keys_for_cudnn(query, key, value, bias, is_causal);
     k = p.key, v = p.value, bias = p.bias, causal = false;
@@ -328,9 +339,11 @@ Tensors4 frontend_forward(const at::Tensor& query, const at::Tensor& key,
   }
   CudnnForward f;
   std::string why_not;
+  // A one-query-row plan's backward never runs the graph of this shape:
+  // nothing to prepare (frontend_backward).
   if (frontend::sdpa_forward(query, key, value, attn_bias.value_or(at::Tensor()),
                              compute_log_sumexp, dropout_p, is_causal, scale,
-                             plan.padding_mask, f, why_not)) {
+                             plan.padding_mask, !plan.pad_query_backward, f, why_not)) {
     return finish_forward(std::move(f), query, compute_log_sumexp, dropout_p);
   }
   note_fallback(why_not, plan);
@@ -367,10 +380,11 @@ Tensors3 frontend_backward(const at::Tensor& grad_out, const at::Tensor& query,
   if (plan.pad_query_backward) {
     // Batch 1, one query row (cudnn-frontend #1072): the padding mask alone
     // left non-finite gradients in 25 of 360 degenerate cells (H200, cuDNN
-    // 9.19.0, tests/gpu/test_degenerate_gpu.py), so the backward also gets a
-    // second, empty query row, as the ATen fallback does. The forward ran
-    // on the frontend with the padding mask, which covers the key tail: no
-    // K/V padding.
+    // 9.19.0, tests/gpu/test_degenerate_gpu.py). Without dropout the
+    // backward is computed in fp32 (backward_with_plan); with dropout it
+    // gets a second, empty query row, as the ATen fallback does. The forward
+    // ran on the frontend with the padding mask, which covers the key tail:
+    // no K/V padding.
     Plan grown = plan;
     grown.pad_keys_backward = grown.pad_keys_forward = false;
     return backward_with_plan<kFrontendGrownQueryEngine>(

@@ -189,8 +189,8 @@ void run(const BuiltGraph& graph, std::unordered_map<int64_t, void*>& pack,
 
 bool sdpa_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                   const at::Tensor& bias_in, bool training, double dropout_p, bool is_causal,
-                  std::optional<double> scale, bool padding_mask, CudnnForward& result,
-                  std::string& why_not) {
+                  std::optional<double> scale, bool padding_mask, bool prepare_backward,
+                  CudnnForward& result, std::string& why_not) {
   const at::Tensor bias = expanded_bias(bias_in, query, key);
   const at::Tensor out = empty_like_cudnn_output(query, value.sym_size(-1));
   SdpaGraphKey fwd = base_key(query, key, value, bias, dropout_p, is_causal);
@@ -202,7 +202,7 @@ bool sdpa_forward(const at::Tensor& query, const at::Tensor& key, const at::Tens
   // dropout's pattern).
   SdpaGraphKey bwd = backward_key(fwd, query, key, value, padding_mask);
   const std::shared_ptr<const BuiltGraph> graph = graph_for(fwd, why_not);
-  if (graph == nullptr || (training && graph_for(bwd, why_not) == nullptr)) {
+  if (graph == nullptr || (training && prepare_backward && graph_for(bwd, why_not) == nullptr)) {
     record_failure(graph == nullptr ? bwd : fwd, why_not);
     return false;
   }

@@ -24,15 +24,16 @@ namespace openwam::frontend {
 
 // q, k, v 4-D [B, H, S, E] (key/value may have fewer heads); `bias` additive
 // in q's dtype, 4-D [B|1, H|1, L|1, S] with a contiguous last dim (what
-// cudnn_bias() gives), or undefined. `training`: write the logsumexp, and
-// build the backward graph now too, with the padding mask when
-// `padding_mask`, so that forward and backward agree on the engine. Returns
+// cudnn_bias() gives), or undefined. `training`: write the logsumexp, and,
+// when `prepare_backward`, build the backward graph now too, with the padding
+// mask when `padding_mask`, so that forward and backward agree on the engine
+// (a backward that will run on other shapes has nothing to prepare). Returns
 // false, with the reason in `why_not`, when a graph cannot be built for this
 // configuration: the caller runs ATen's cuDNN attention instead.
 bool sdpa_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                   const at::Tensor& bias, bool training, double dropout_p, bool is_causal,
-                  std::optional<double> scale, bool padding_mask, CudnnForward& result,
-                  std::string& why_not);
+                  std::optional<double> scale, bool padding_mask, bool prepare_backward,
+                  CudnnForward& result, std::string& why_not);
 
 // The backward of sdpa_forward(training=true). The gradients are laid out like
 // their inputs (empty_like). Returns false, with the reason, when a graph

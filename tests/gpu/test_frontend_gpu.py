@@ -101,7 +101,9 @@ def test_aten_fallback(settings, suite_results):
 
 
 def test_graphs_built_once_per_configuration(ow):
-    """Shapes that vary every step build each configuration's graphs once."""
+    """Shapes that vary every step build each configuration's graphs once. The
+    batch-1, one-query-row shape (1, 1, 320) has a forward graph only: its
+    backward is computed in fp32 without cuDNN (single_row_backward)."""
     ow.clear_graph_cache()
     ow.frontend_stats(reset=True)
     shapes = [(2, 100, 100), (2, 200, 320), (4, 64, 704), (1, 1, 320), (3, 333, 333)]
@@ -113,7 +115,7 @@ def test_graphs_built_once_per_configuration(ow):
             ow.sdpa(q, kv, kv).sum().backward()
         s = ow.frontend_stats()
         counts.append((s["forward_graphs_built"], s["backward_graphs_built"]))
-    assert counts == [(5, 5)] * 3, counts
+    assert counts == [(5, 4)] * 3, counts
     assert ow.frontend_stats()["aten_fallback_calls"] == 0
 
 
