@@ -44,9 +44,7 @@ bool single_row_single_head_hits(const CallShape& s, long /*version*/) {
 
 // ---- The ragged layout (openwam::sdpa_varlen's cuDNN engine) ----
 // A ragged call's s_q and s_kv are its longest sequences; dense calls never
-// hit these rows.
-bool ragged_measured_hits(const CallShape& s, long /*version*/) { return s.ragged; }
-
+// hit this row.
 bool ragged_hits(const CallShape& s, long version) { return s.ragged && version != k9_19_0; }
 
 const std::vector<GuardRule>& table() {
@@ -124,43 +122,28 @@ const std::vector<GuardRule>& table() {
        "query row)",
        "cudnn-frontend #1072 (reported on 9.25.1.1 and 9.26.0.51, torch 2.15.0's "
        "pin); conservative: measured on 9.19.0 only (row above)"},
-      // ---- The ragged layout (openwam::sdpa_varlen's cuDNN engine).
-      // Measured on 9.19.0 (torch 2.11.0+cu130, H200, tools/sweep_varlen_ragged.py):
-      // dQ wrong on all seven cells of several sequences, ordinary ones too
-      // (normalized max error 2.6 and up; the two one-sequence cells were
-      // right); 93-186 ms per forward+backward where FlashAttention-2 varlen
-      // takes 0.2-0.7 ms; a hang with one query per sequence. ATen's
-      // _cudnn_attention_backward (attention_backward.cu) takes the longest
-      // sequences from query.size(2) and key.size(2), which for the ragged
-      // [total, heads, head_dim] layout are head_dim, not max_q/max_k.
-      {"ragged_wrong_9.19",
-       {k9_19_0, k9_19_0 + 1},
-       {k9_19_0, k9_19_0 + 1},
-       &ragged_measured_hits,
-       Fix::kAvoidCudnn,
-       "9.19.0",
-       "cuDNN's ragged layout through ATen gave wrong dQ on every swept batch of "
-       "several sequences, took 93-186 ms per forward+backward and hung with one "
-       "query per sequence",
-       "sdpa_varlen runs the call on FlashAttention-2 varlen (or its "
-       "block-diagonal fallback), whatever OPENWAM_SDPA_VARLEN says",
-       "measured by this project on an H200 (torch 2.11.0, cuDNN 9.19.0); pytorch #186142 (ATen's "
-       "backward sizes its ragged graph by head_dim instead of the longest sequence); "
-       "related: TransformerEngine #3249 (a ragged backward read its stats as dense)"},
-      // Every other version: not measured, so treated as 9.19.0 was found.
-      {"ragged_wrong",
+      // ---- The ragged layout (openwam::sdpa_varlen's cuDNN engine, on the
+      // frontend's graphs: ragged_engine.h). Measured right on 9.19.0 (torch
+      // 2.11.0+cu130, H200, tests/gpu/test_varlen_gpu.py's admission sweep:
+      // several sequences at 64 mod 128 tokens with adversarial rows, one
+      // query per sequence, one sequence of one query, empty sequences, GQA,
+      // causal with s_q == s_k and s_q != s_k, head_dim 64-256, bf16/fp16,
+      // dropout). ATen's own call of the layout stays unused: its backward
+      // takes the longest sequence from query.size(2), head_dim for packed
+      // inputs (pytorch #186142), which gave wrong dQ, 93-186 ms per step and
+      // a hang on 9.19.0.
+      {"ragged_unmeasured",
        {0, kAfterNewest},
        {},
        &ragged_hits,
        Fix::kAvoidCudnn,
        "every version other than 9.19.0",
-       "cuDNN's ragged layout gave wrong dQ and hung at s_q == 1 (also with torch 2.7's cuDNN; "
-       "measured wrong on 9.19.0, row above); ATen's backward sizes its ragged graph "
-       "by head_dim instead of the longest sequence (pytorch #186142)",
-       "sdpa_varlen runs the call on FlashAttention-2 varlen (or its "
-       "block-diagonal fallback); OPENWAM_SDPA_VARLEN=cudnn overrides",
-       "pytorch #186142; conservative: measured on 9.19.0 only (row above); "
-       "related: TransformerEngine #3249 (fixed in cuDNN 9.26)"},
+       "cuDNN's ragged layout is measured right on 9.19.0 only (TransformerEngine #3249: "
+       "a ragged backward read its stats as dense before cuDNN 9.26)",
+       "sdpa_varlen runs the call on FlashAttention-2 varlen (or its block-diagonal "
+       "fallback); OPENWAM_SDPA_VARLEN=cudnn overrides",
+       "conservative: measured by this project on an H200 on 9.19.0 only (torch 2.11.0); "
+       "related: TransformerEngine #3249, pytorch #186142 (why not ATen's ragged call)"},
   };
   return rules;
 }
