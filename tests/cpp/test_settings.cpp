@@ -14,6 +14,7 @@ using openwam::PadMode;
 using openwam::Settings;
 using openwam_test::kCheckFiniteVar;
 using openwam_test::kCudnnVar;
+using openwam_test::kFrontendVar;
 using openwam_test::kPadVar;
 using openwam_test::ScopedEnv;
 using openwam_test::ScopedSettings;
