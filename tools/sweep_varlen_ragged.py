@@ -269,7 +269,8 @@ def sweep_cell(name: str, engines):
     stock_cudnn = padded_stock(p, causal, SDPBackend.CUDNN_ATTENTION)
     for engine in engines:
         row = {"cell": name, "engine": engine, "lens_q": lens_q, "lens_k": lens_k or lens_q,
-               "is_causal": causal, **{k: v for k, v in make.items()},
+               "is_causal": causal, **{k: str(v) if isinstance(v, torch.dtype) else v
+                                       for k, v in make.items()},
                "low_rows": len(p.low_rows)}
         try:
             r = run_engine(engine, p, causal)

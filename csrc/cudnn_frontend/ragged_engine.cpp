@@ -133,6 +133,7 @@ bool ragged_forward(const at::Tensor& query, const at::Tensor& key, const at::Te
     pack[kOffset] = result.philox_offset.data_ptr();
   }
   run(*graph, pack, fwd);
+  zero_rows_without_keys(result.out, cu_q, cu_k, cu_q.size(0) - 1);
   return true;
 }
 
@@ -171,6 +172,7 @@ bool ragged_backward(const at::Tensor& grad_out, const at::Tensor& query, const 
     pack[kOffset] = philox_offset.data_ptr();
   }
   run(*graph, pack, bwd);
+  zero_rows_without_keys(dq, cu_q, cu_k, cu_q.size(0) - 1);
   grads = {dq, dk, dv};
   return true;
 }

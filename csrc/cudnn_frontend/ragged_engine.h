@@ -11,7 +11,8 @@
 //   - the backward sizes its dQ accumulator by max_total_seq_len.
 // B, S and the totals are bucketed (ragged_buckets.h): batches of varying
 // sequence count and lengths reuse a few graphs. Causal masks are top-left
-// per sequence, as F.sdpa's is_causal. No host synchronisation.
+// per sequence, as F.sdpa's is_causal. A sequence with queries but no keys
+// gets zero output and zero dQ, as F.sdpa gives. No host synchronisation.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -27,7 +27,33 @@ __global__ void fill_ragged(const int32_t* cu_q, const int32_t* cu_k, int64_t ba
   }
 }
 
+__global__ void zero_keyless_rows(uint16_t* rows, int64_t row_elems, const int32_t* cu_q,
+                                  const int32_t* cu_k) {
+  const int64_t b = blockIdx.x;
+  if (cu_k[b + 1] != cu_k[b]) {
+    return;
+  }
+  const int64_t first = cu_q[b] * row_elems, end = cu_q[b + 1] * row_elems;
+  for (int64_t i = first + blockIdx.y * blockDim.x + threadIdx.x; i < end;
+       i += static_cast<int64_t>(gridDim.y) * blockDim.x) {
+    rows[i] = 0;
+  }
+}
+
 }  // namespace
+
+void zero_rows_without_keys(at::Tensor& packed, const at::Tensor& cu_seqlens_q,
+                            const at::Tensor& cu_seqlens_k, int64_t batch) {
+  TORCH_INTERNAL_ASSERT(packed.is_contiguous() && packed.element_size() == 2);
+  if (batch == 0 || packed.numel() == 0) {
+    return;
+  }
+  const dim3 grid(static_cast<unsigned>(batch), 8);
+  zero_keyless_rows<<<grid, 256, 0, at::cuda::getCurrentCUDAStream(packed.device().index())>>>(
+      static_cast<uint16_t*>(packed.data_ptr()), packed.size(1) * packed.size(2),
+      cu_seqlens_q.data_ptr<int32_t>(), cu_seqlens_k.data_ptr<int32_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 void* RaggedOffsets::offsets_of(RaggedTensor t) const {
   return static_cast<int64_t*>(offsets.data_ptr()) + t * offsets.size(1);

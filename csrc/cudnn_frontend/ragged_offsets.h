@@ -29,4 +29,11 @@ RaggedOffsets ragged_offsets(const at::Tensor& cu_seqlens_q, const at::Tensor& c
                              int64_t batch, int64_t bucket,
                              const std::array<int64_t, kRaggedTensors>& row_strides);
 
+// Zeroes the rows of `packed` ([total_q, H, E], contiguous, 2-byte elements)
+// that belong to sequences with queries but no keys: cuDNN writes nothing
+// there (measured on 9.19.0), and F.sdpa's answer for a query that sees no
+// key is a zero output and a zero dQ. One launch; sequences with keys exit.
+void zero_rows_without_keys(at::Tensor& packed, const at::Tensor& cu_seqlens_q,
+                            const at::Tensor& cu_seqlens_k, int64_t batch);
+
 }  // namespace openwam::frontend
