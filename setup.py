@@ -5,9 +5,14 @@
 # the extension would then fail to load (undefined symbols) in the real one.
 #
 # Environment knobs:
-#   TORCH_CUDA_ARCH_LIST   CUDA targets (default "8.0;9.0a;10.0"; sm90a matters:
-#                          the repair kernel uses Hopper's wgmma there)
+#   TORCH_CUDA_ARCH_LIST   CUDA targets (default "8.0;9.0;10.0")
 #   OPENWAM_SDPA_NO_CUDA=1 build the CPU-only extension even on a CUDA torch
+#   CUDNN_FRONTEND_INCLUDE the cuDNN frontend's headers (default: those of the
+#                          installed nvidia-cudnn-frontend wheel, version
+#                          CUDNN_FRONTEND_VERSION below)
+#   OPENWAM_SDPA_NO_FRONTEND=1  a CUDA build without the frontend: every cuDNN
+#                          call then runs on ATen's cuDNN attention with padded
+#                          inputs (slower; for stacks that cannot have the wheel)
 #   OPENWAM_SDPA_CXX_STD   force the C++ standard (17 or 20)
 #   OPENWAM_SDPA_DEBUG=1   keep debug info (-g; host code at -O0)
 #   OPENWAM_SDPA_ALLOW_PRIVATE_LIBSTDCXX=1  skip the linkage check (BuildAndCheckLinkage)
@@ -32,7 +37,11 @@ except ImportError as e:  # pragma: no cover - only hit on a broken setup
     )
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_CUDA_ARCH_LIST = "8.0;9.0a;10.0"
+DEFAULT_CUDA_ARCH_LIST = "8.0;9.0;10.0"
+# The cuDNN frontend release the op's graphs were built and tested with. Its
+# wheel carries the header-only C++ library (and Python modules the build does
+# not use): `pip install --no-deps nvidia-cudnn-frontend==1.32.0`.
+CUDNN_FRONTEND_VERSION = "1.32.0"
 
 
 def _rel(paths):
@@ -83,6 +92,86 @@ def _pip_cuda_header_dirs(cuda_home):
             if any(os.path.exists(os.path.join(inc, h)) for h in needed):
                 dirs.append(inc)
     return dirs
+
+
+def _cudnn_frontend_include():
+    """The include dir holding cudnn_frontend.h, or None.
+
+    The nvidia-cudnn-frontend wheel installs its headers under <site>/include;
+    CUDNN_FRONTEND_INCLUDE overrides. A frontend other than the tested release
+    is refused: its graph API and validation change between releases.
+    """
+    override = os.environ.get("CUDNN_FRONTEND_INCLUDE")
+    if override:
+        candidates = [override]
+    else:
+        try:
+            from importlib import metadata
+            dist = metadata.distribution("nvidia-cudnn-frontend")
+        except Exception:  # not installed
+            return None
+        if dist.version != CUDNN_FRONTEND_VERSION:
+            sys.exit(
+                f"openwam_sdpa: nvidia-cudnn-frontend {dist.version} is installed; this release "
+                f"builds its cuDNN graphs with {CUDNN_FRONTEND_VERSION}: "
+                f"pip install --no-deps nvidia-cudnn-frontend=={CUDNN_FRONTEND_VERSION} "
+                "(or point CUDNN_FRONTEND_INCLUDE at those headers)")
+        candidates = [str(dist.locate_file("include"))]
+    for inc in candidates:
+        if os.path.exists(os.path.join(inc, "cudnn_frontend.h")):
+            return inc
+    return None
+
+
+def _cudnn_dirs(cuda_home):
+    """(include dir with cudnn.h, path of the libcudnn.so.9 torch loads), or None.
+
+    torch's CUDA wheels depend on nvidia-cudnn-cu1x, which ships both; the
+    extension links that file, so the loader finds the library torch already
+    loaded (same soname) and both use one cuDNN.
+    """
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    roots = []
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("nvidia")
+        if spec and spec.submodule_search_locations:
+            roots = [os.path.join(r, "cudnn") for r in spec.submodule_search_locations]
+    except (ImportError, ValueError):
+        pass
+    roots += [cuda_home, "/usr", "/usr/local/cudnn"]
+    for root in roots:
+        inc = os.path.join(root, "include")
+        if not os.path.exists(os.path.join(inc, "cudnn.h")):
+            continue
+        for lib in (os.path.join(root, "lib", "libcudnn.so.9"),
+                    os.path.join(root, "lib64", "libcudnn.so.9"),
+                    os.path.join(root, "lib", "x86_64-linux-gnu", "libcudnn.so.9"),
+                    os.path.join(lib_dir, "libcudnn.so.9")):
+            if os.path.exists(lib):
+                return inc, lib
+    return None
+
+
+def _nvrtc_lib(cuda_home):
+    """The libnvrtc that torch's CUDA build ships (or the toolkit's), or None.
+
+    The frontend's headers call NVRTC for its open-source engines (never for
+    attention); the symbols must resolve when the extension loads.
+    """
+    roots = []
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("nvidia")
+        if spec and spec.submodule_search_locations:
+            roots = list(spec.submodule_search_locations)
+    except (ImportError, ValueError):
+        pass
+    found = [p for r in roots for p in sorted(glob.glob(os.path.join(r, "*", "lib", "libnvrtc.so.1*")))
+             if re.search(r"libnvrtc\.so\.\d+$", p)]
+    found += [p for p in (os.path.join(cuda_home, "lib64", "libnvrtc.so"),
+                          os.path.join(cuda_home, "lib", "libnvrtc.so")) if os.path.exists(p)]
+    return found[0] if found else None
 
 
 def _cxx_standard():
@@ -142,8 +231,8 @@ ext_kwargs = dict(
     define_macros=define_macros,
 )
 
+with_frontend = with_cuda and os.environ.get("OPENWAM_SDPA_NO_FRONTEND", "0") in ("", "0")
 if with_cuda:
-    sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "**", "*.cu"), recursive=True))
     define_macros.append(("OPENWAM_WITH_CUDA", None))
     # define_macros reach nvcc too; -lineinfo only maps SASS to source lines
     # for ncu / compute-sanitizer and does not change the generated code.
@@ -151,10 +240,38 @@ if with_cuda:
     for inc in _pip_cuda_header_dirs(cuda_home):
         cxx_flags += ["-isystem", inc]
         nvcc_flags += ["-isystem", inc]
+    link_args = []
+    if with_frontend:
+        frontend_inc = _cudnn_frontend_include()
+        cudnn = _cudnn_dirs(cuda_home)
+        nvrtc = _nvrtc_lib(cuda_home)
+        missing = ([f"the cuDNN frontend's headers (pip install --no-deps "
+                    f"nvidia-cudnn-frontend=={CUDNN_FRONTEND_VERSION})"]
+                   if frontend_inc is None else [])
+        missing += (["cudnn.h and libcudnn.so.9 (the nvidia-cudnn-cu1x wheel that torch's "
+                     "CUDA build depends on)"] if cudnn is None else [])
+        missing += (["libnvrtc (the nvidia-cuda-nvrtc wheel or the CUDA toolkit)"]
+                    if nvrtc is None else [])
+        if missing:
+            sys.exit("openwam_sdpa: a CUDA build needs " + " and ".join(missing)
+                     + "; OPENWAM_SDPA_NO_FRONTEND=1 builds without the frontend (every cuDNN "
+                     "call then runs on ATen's cuDNN attention with padded inputs).")
+        cudnn_inc, cudnn_lib = cudnn
+        sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "cudnn_frontend", "*.cpp")))
+        sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "cudnn_frontend", "*.cu")))
+        define_macros.append(("OPENWAM_WITH_CUDNN_FRONTEND", None))
+        for inc in (frontend_inc, cudnn_inc):
+            cxx_flags += ["-isystem", inc]
+            nvcc_flags += ["-isystem", inc]
+        # The files themselves, no rpath: at import torch has loaded these
+        # sonames (libcudnn.so.9; libnvrtc through its CUDA libraries), and
+        # the loader reuses them.
+        link_args += [cudnn_lib, nvrtc]
     ext = CUDAExtension(
         name="openwam_sdpa._C",
         sources=sources,
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+        extra_link_args=link_args,
         **ext_kwargs,
     )
 else:
@@ -206,7 +323,8 @@ class BuildAndCheckLinkage(BuildExtension):
 
 print(
     f"openwam_sdpa: torch {torch.__version__}, "
-    + (f"CUDA build ({cuda_home}, arch {os.environ['TORCH_CUDA_ARCH_LIST']})"
+    + (f"CUDA build ({cuda_home}, arch {os.environ['TORCH_CUDA_ARCH_LIST']}, "
+       + (f"cuDNN frontend {CUDNN_FRONTEND_VERSION})" if with_frontend else "no cuDNN frontend)")
        if with_cuda else "CPU-only build")
     + f", C++{std}",
     file=sys.stderr,

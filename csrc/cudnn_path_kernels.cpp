@@ -1,22 +1,30 @@
 // The kernels of the cuDNN path's leaf ops, openwam::_cudnn_sdpa and
-// openwam::_cudnn_sdpa_backward. One body per op carries out the plan
-// (plan.h) around an attention "engine": ATen's cuDNN attention on CUDA, the
-// fp32 reference (reference_attention.h) on the CPU, so that the plans'
-// padding and repair are tested on the CPU too. The Meta kernels give the
-// outputs' shapes and layouts that torch.compile traces with.
+// openwam::_cudnn_sdpa_backward.
+//   CUDA  the op's own cuDNN graphs (cudnn_frontend/), the plan's padding
+//         mask inside; where a graph cannot be built for a call, ATen's cuDNN
+//         attention with the plan's padded inputs instead.
+//   CPU   the fp32 reference (reference_attention.h) with the padded inputs,
+//         so that the fallback's padding is tested on the CPU too.
+//   Meta  the outputs' shapes and layouts that torch.compile traces with.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <limits>
+#include <mutex>
+#include <set>
+#include <string>
 
 #include "cudnn_attention.h"
 #include "padding.h"
 #include "plan.h"
 #include "reference_attention.h"
-#include "repair_counter.h"
-#include "repair_dq.h"
 #include "settings.h"
+
+#ifdef OPENWAM_WITH_CUDNN_FRONTEND
+#include "cudnn_frontend/sdpa_engine.h"
+#include "cudnn_frontend/stats.h"
+#endif
 
 namespace openwam {
 namespace {
@@ -24,7 +32,7 @@ namespace {
 using Tensors3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 using Tensors4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-// The raw attention the plans are carried out around.
+// The attention the padded-input plans are carried out around.
 struct Engine {
   CudnnForward (*forward)(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& bias, bool compute_logsumexp,
@@ -34,10 +42,6 @@ struct Engine {
                        const at::Tensor& logsumexp, const at::Tensor& philox_seed,
                        const at::Tensor& philox_offset, const at::Tensor& bias,
                        double dropout_p, bool is_causal, std::optional<double> scale);
-  void (*repair)(at::Tensor& dq, const at::Tensor& grad_out, const at::Tensor& q,
-                 const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                 const at::Tensor& logsumexp, const at::Tensor& bias, bool is_causal,
-                 double scale);
 };
 
 // K/V zero-padded to a multiple of the cuDNN key tile, with a bias that hides
@@ -142,6 +146,22 @@ void check_finite_gradients(const at::Tensor& dq, const at::Tensor& dk,
               ", smallest logsumexp ", min_lse);
 }
 
+// The forward's outputs as the op's schema gives them.
+Tensors4 finish_forward(CudnnForward f, const at::Tensor& query, bool compute_log_sumexp,
+                        double dropout_p) {
+  if (!compute_log_sumexp) {
+    f.logsumexp = at::empty({0}, query.options().dtype(at::kFloat));
+  }
+  if (dropout_p == 0.0) {
+    // Without dropout the philox state is unused (cuDNN leaves ATen's
+    // uninitialised): emptied, the op's outputs are deterministic (opcheck
+    // compares them).
+    make_empty(f.philox_seed, query.device());
+    make_empty(f.philox_offset, query.device());
+  }
+  return {f.out, f.logsumexp, f.philox_seed, f.philox_offset};
+}
+
 // The kernels of the two ops for an engine (registered below per dispatch key).
 template <const Engine& engine>
 Tensors4 forward_with_plan(const at::Tensor& query, const at::Tensor& key,
@@ -158,19 +178,9 @@ Tensors4 forward_with_plan(const at::Tensor& query, const at::Tensor& key,
     PaddedKeys p = pad_keys_for_cudnn(query, key, value, bias, is_causal);
     k = p.key, v = p.value, bias = p.bias, causal = false;
   }
-  CudnnForward f =
-      engine.forward(query, k, v, bias, compute_log_sumexp, dropout_p, causal, scale);
-  if (!compute_log_sumexp) {
-    f.logsumexp = at::empty({0}, query.options().dtype(at::kFloat));
-  }
-  if (dropout_p == 0.0) {
-    // Without dropout the philox state is unused, and cuDNN leaves it
-    // uninitialised: emptied, the op's outputs are deterministic (opcheck
-    // compares them).
-    make_empty(f.philox_seed, query.device());
-    make_empty(f.philox_offset, query.device());
-  }
-  return {f.out, f.logsumexp, f.philox_seed, f.philox_offset};
+  return finish_forward(
+      engine.forward(query, k, v, bias, compute_log_sumexp, dropout_p, causal, scale), query,
+      compute_log_sumexp, dropout_p);
 }
 
 template <const Engine& engine>
@@ -184,12 +194,22 @@ Tensors3 backward_with_plan(const at::Tensor& grad_out, const at::Tensor& query,
                             int64_t plan_bits) {
   const Plan plan = Plan::from_int(plan_bits);
   // An upstream gradient broadcast along head_dim (out.sum().backward()
-  // gives an expanded one) is materialised: the repair and the padding read
-  // rows of it.
+  // gives an expanded one) is materialised: the padding reads rows of it.
   const at::Tensor go_dense = grad_out.stride(-1) == 1 ? grad_out : grad_out.contiguous();
   at::Tensor q = query, k = key, v = value, go = go_dense, o = out, lse = logsumexp;
   at::Tensor bias = attn_bias.value_or(at::Tensor());
   bool causal = is_causal;
+  if (plan.pad_query_backward && dropout_p == 0.0) {
+    // Batch 1, one query row: exact in fp32 and GEMV-sized, so no engine's
+    // backward runs (reference_attention.h says why). With dropout the
+    // engine must replay its own pattern: the query grows instead.
+    auto [dq, dk, dv] =
+        single_row_backward(go_dense, query, key, value, out, logsumexp, bias, is_causal, scale);
+    if (current_settings().check_finite) {
+      check_finite_gradients(dq, dk, dv, query, key, logsumexp, plan);
+    }
+    return {dq, dk, dv};
+  }
   if (plan.pads_keys()) {
     PaddedKeys p = pad_keys_for_cudnn(query, key, value, bias, is_causal);
     k = p.key, v = p.value, bias = p.bias, causal = false;
@@ -200,11 +220,6 @@ Tensors3 backward_with_plan(const at::Tensor& grad_out, const at::Tensor& query,
   }
   auto [dq, dk, dv] = engine.backward(go, q, k, v, o, lse, philox_seed, philox_offset,
                                       bias, dropout_p, causal, scale);
-  if (plan.repair_dq) {
-    // F.sdpa's default scale: 1 / sqrt(head_dim).
-    const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(-1))));
-    engine.repair(dq, go, q, k, v, o, lse, bias, causal, s);
-  }
   if (plan.pad_query_backward) {
     dq = like_input(query, dq.narrow(2, 0, 1));
   }
@@ -246,23 +261,153 @@ Tensors3 reference_engine_backward(const at::Tensor& grad_out, const at::Tensor&
   return reference_backward(grad_out, q, k, v, out, logsumexp, bias, is_causal, scale);
 }
 
-constexpr Engine kReferenceEngine{&reference_engine_forward, &reference_engine_backward,
-                                  &reference_repair_dq};
+constexpr Engine kReferenceEngine{&reference_engine_forward, &reference_engine_backward};
 
 // ------------------------------------------------------------ CUDA: cuDNN
 
 #ifdef OPENWAM_WITH_CUDA
-void cuda_repair(at::Tensor& dq, const at::Tensor& grad_out, const at::Tensor& q,
-                 const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                 const at::Tensor& logsumexp, const at::Tensor& bias, bool is_causal,
-                 double scale) {
-  // Called right after cuDNN's backward (backward_with_plan).
-  repair_dq_rows(dq, grad_out, q, k, v, out, logsumexp, bias, is_causal, scale,
-                 repaired_rows_counter(q.device()), /*behind_backward=*/true);
+constexpr Engine kAtenEngine{&cudnn_forward, &cudnn_backward};
+
+#ifdef OPENWAM_WITH_CUDNN_FRONTEND
+// A call whose graph the frontend cannot build runs on ATen's cuDNN attention
+// with the plan's padded inputs. Said once per reason: the configuration is
+// in it.
+void note_fallback(const std::string& why_not, const Plan& plan) {
+  frontend::stats().aten_fallback_calls++;
+  static std::mutex mutex;
+  static std::set<std::string> said;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!said.insert(why_not).second) {
+      return;
+    }
+  }
+  Plan fallback = plan;
+  fallback.padding_mask = false;
+  TORCH_WARN("openwam_sdpa: the cuDNN frontend cannot build a graph for this call (", why_not,
+             "); it runs on ATen's cuDNN attention with the fix '", fallback.to_string(),
+             "'. openwam_sdpa.frontend_stats() lists every such configuration.");
 }
 
-constexpr Engine kCudnnEngine{&cudnn_forward, &cudnn_backward, &cuda_repair};
+// The frontend's backward on inputs a plan padded: the K/V shim runs without
+// the padding mask, the grown query row with it.
+template <bool padding_mask>
+Tensors3 frontend_padded_backward(const at::Tensor& grad_out, const at::Tensor& q,
+                                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                  const at::Tensor& logsumexp, const at::Tensor& philox_seed,
+                                  const at::Tensor& philox_offset, const at::Tensor& bias,
+                                  double dropout_p, bool is_causal, std::optional<double> scale) {
+  Tensors3 grads;
+  std::string why_not;
+  if (frontend::sdpa_backward(grad_out, q, k, v, out, logsumexp, philox_seed, philox_offset,
+                              bias, dropout_p, is_causal, scale, padding_mask, grads,
+                              why_not)) {
+    return grads;
+  }
+  note_fallback(why_not, Plan{});
+  return cudnn_backward(grad_out, q, k, v, out, logsumexp, philox_seed, philox_offset, bias,
+                        dropout_p, is_causal, scale);
+}
 
+constexpr Engine kFrontendPaddedEngine{&cudnn_forward, &frontend_padded_backward<false>};
+constexpr Engine kFrontendGrownQueryEngine{&cudnn_forward, &frontend_padded_backward<true>};
+
+
+// With a bias, cuDNN's padding-mask backward is the slow corner: 1.10x-1.23x
+// stock's fwd+bwd at 360x64 to 4096x4032 (H200, cuDNN 9.19.0, bf16, head_dim
+// 128), whatever the key length. Padding K/V and the bias to the next multiple
+// of 128 instead costs what the extra keys cost: 1.06x at 4096x4032 (1.6% more
+// keys), 1.21x against 1.20x at 1024x1088 (5.9%), 1.27x-1.42x from 704 keys
+// down. So the K/V shim takes the key-tail fix where it adds at most 1/32 of
+// the keys. Not with dropout: the forward ran on the unpadded keys, and the
+// backward must see the key length its dropout pattern was drawn for.
+bool shim_is_cheaper(const Plan& plan, const std::optional<at::Tensor>& attn_bias,
+                     const at::Tensor& key, double dropout_p) {
+  if (!attn_bias.has_value() || !plan.pad_keys_backward || dropout_p > 0.0) return false;
+  const int64_t s_kv = key.size(2);
+  return (padded_length(s_kv, kCudnnKeyTile) - s_kv) * 32 <= s_kv;
+}
+
+Tensors4 frontend_forward(const at::Tensor& query, const at::Tensor& key,
+                          const at::Tensor& value, const std::optional<at::Tensor>& attn_bias,
+                          double dropout_p, bool is_causal, std::optional<double> scale,
+                          bool compute_log_sumexp, int64_t plan_bits) {
+  const Plan plan = Plan::from_int(plan_bits);
+  if (!current_settings().frontend) {
+    return forward_with_plan<kAtenEngine>(query, key, value, attn_bias, dropout_p, is_causal,
+                                          scale, compute_log_sumexp, plan_bits);
+  }
+  CudnnForward f;
+  std::string why_not;
+  // A one-query-row plan's backward never runs the graph of this shape:
+  // nothing to prepare (frontend_backward).
+  if (frontend::sdpa_forward(query, key, value, attn_bias.value_or(at::Tensor()),
+                             compute_log_sumexp, dropout_p, is_causal, scale,
+                             plan.padding_mask, !plan.pad_query_backward, f, why_not)) {
+    return finish_forward(std::move(f), query, compute_log_sumexp, dropout_p);
+  }
+  note_fallback(why_not, plan);
+  return forward_with_plan<kAtenEngine>(query, key, value, attn_bias, dropout_p, is_causal,
+                                        scale, compute_log_sumexp, plan_bits);
+}
+
+Tensors3 frontend_backward(const at::Tensor& grad_out, const at::Tensor& query,
+                           const at::Tensor& key, const at::Tensor& value,
+                           const std::optional<at::Tensor>& attn_bias, const at::Tensor& out,
+                           const at::Tensor& logsumexp, const at::Tensor& philox_seed,
+                           const at::Tensor& philox_offset, double dropout_p, bool is_causal,
+                           std::optional<double> scale, int64_t plan_bits) {
+  const Plan plan = Plan::from_int(plan_bits);
+  if (!current_settings().frontend) {
+    return backward_with_plan<kAtenEngine>(grad_out, query, key, value, attn_bias, out,
+                                           logsumexp, philox_seed, philox_offset, dropout_p,
+                                           is_causal, scale, plan_bits);
+  }
+  const auto& ctx = at::globalContext();
+  if (ctx.deterministicAlgorithms() && ctx.deterministicAlgorithmsWarnOnly()) {
+    // cuDNN's backward accumulates dQ with atomics; ATen's cuDNN attention says
+    // so in these words (a determinism check that refuses outright keeps the
+    // call off cuDNN: cudnn_rejects()).
+    TORCH_WARN_ONCE("cuDNN Attention defaults to a non-deterministic algorithm. ",
+                    "To explicitly enable determinism call "
+                    "torch.use_deterministic_algorithms(True, warn_only=False).");
+  }
+  if (shim_is_cheaper(plan, attn_bias, key, dropout_p)) {
+    return backward_with_plan<kFrontendPaddedEngine>(grad_out, query, key, value, attn_bias,
+                                                     out, logsumexp, philox_seed, philox_offset,
+                                                     dropout_p, is_causal, scale, plan_bits);
+  }
+  if (plan.pad_query_backward) {
+    // Batch 1, one query row (cudnn-frontend #1072): the padding mask alone
+    // left non-finite gradients in 25 of 360 degenerate cells (H200, cuDNN
+    // 9.19.0, tests/gpu/test_degenerate_gpu.py). Without dropout the
+    // backward is computed in fp32 (backward_with_plan); with dropout it
+    // gets a second, empty query row, as the ATen fallback does. The forward
+    // ran on the frontend with the padding mask, which covers the key tail:
+    // no K/V padding.
+    Plan grown = plan;
+    grown.pad_keys_backward = grown.pad_keys_forward = false;
+    return backward_with_plan<kFrontendGrownQueryEngine>(
+        grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset,
+        dropout_p, is_causal, scale, grown.to_int());
+  }
+  Tensors3 grads;
+  std::string why_not;
+  if (frontend::sdpa_backward(grad_out, query, key, value, out, logsumexp, philox_seed,
+                              philox_offset, attn_bias.value_or(at::Tensor()), dropout_p,
+                              is_causal, scale, plan.padding_mask, grads, why_not)) {
+    if (current_settings().check_finite) {
+      check_finite_gradients(std::get<0>(grads), std::get<1>(grads), std::get<2>(grads),
+                             query, key, logsumexp, plan);
+    }
+    return grads;
+  }
+  note_fallback(why_not, plan);
+  return backward_with_plan<kAtenEngine>(grad_out, query, key, value, attn_bias, out,
+                                         logsumexp, philox_seed, philox_offset, dropout_p,
+                                         is_causal, scale, plan_bits);
+}
+#endif  // OPENWAM_WITH_CUDNN_FRONTEND
 #endif  // OPENWAM_WITH_CUDA
 
 // ------------------------------------------------------------ Meta
@@ -302,10 +447,15 @@ TORCH_LIBRARY_IMPL(openwam, CPU, m) {
   m.impl("_cudnn_sdpa", &openwam::forward_with_plan<openwam::kReferenceEngine>);
   m.impl("_cudnn_sdpa_backward", &openwam::backward_with_plan<openwam::kReferenceEngine>);
 }
-#ifdef OPENWAM_WITH_CUDA
+#if defined(OPENWAM_WITH_CUDNN_FRONTEND)
 TORCH_LIBRARY_IMPL(openwam, CUDA, m) {
-  m.impl("_cudnn_sdpa", &openwam::forward_with_plan<openwam::kCudnnEngine>);
-  m.impl("_cudnn_sdpa_backward", &openwam::backward_with_plan<openwam::kCudnnEngine>);
+  m.impl("_cudnn_sdpa", &openwam::frontend_forward);
+  m.impl("_cudnn_sdpa_backward", &openwam::frontend_backward);
+}
+#elif defined(OPENWAM_WITH_CUDA)
+TORCH_LIBRARY_IMPL(openwam, CUDA, m) {
+  m.impl("_cudnn_sdpa", &openwam::forward_with_plan<openwam::kAtenEngine>);
+  m.impl("_cudnn_sdpa_backward", &openwam::backward_with_plan<openwam::kAtenEngine>);
 }
 #endif
 TORCH_LIBRARY_IMPL(openwam, Meta, m) {

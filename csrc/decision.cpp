@@ -41,9 +41,11 @@ Plan plan_for(const GuardVerdict& verdict, const CallShape& shape, PadMode pad) 
     case PadMode::kNever:
       return Plan{};
     case PadMode::kAlways: {
-      Plan p;
-      p.pad_query_backward = verdict.plan.pad_query_backward;
-      if (shape.s_kv % kCudnnKeyTile != 0) {
+      // Every differentiated backward takes the fix, whether or not a rule
+      // marks the call affected.
+      Plan p = verdict.plan;
+      p.padding_mask = true;
+      if (shape.s_kv % kCudnnKeyTile != 0 && !p.pads_keys()) {
         (shape.dropout_p > 0.0 ? p.pad_keys_forward : p.pad_keys_backward) = true;
       }
       return p;

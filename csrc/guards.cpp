@@ -61,10 +61,12 @@ const std::vector<GuardRule>& table() {
        "never sent to cuDNN: the call runs on PyTorch's next backend",
        "cudnn-frontend #1071 (reported on 9.26.0.51, torch 2.15.0's pin); "
        "conservative: not measured by this project"},
-      // Measured by this project on an H200 (torch 2.11.0+cu130, cuDNN 9.19.0):
-      // s_kv = 256 + r for r = 1..127 and s_kv in 1..127,
-      // 1025..1151, head_dim 64 and 128: only r == 64 gave NaN dQ; is_causal
-      // never did (docs/performance.md).
+      // Measured on an H200 (torch 2.11.0+cu130, cuDNN 9.19.0), stock cuDNN
+      // through ATen: s_kv = 256 + r for r = 1..127, s_kv in 1..127 and
+      // 1025..1151 at head_dim 64 and 128: only r == 64 gave NaN dQ, is_causal
+      // never did. The same graphs through the frontend: NaN at r == 64 for
+      // head_dim 64-256, bf16 and fp16, none with the padding mask
+      // (docs/design.md, "The defects").
       {"key_tail_nan_dq_9.19",
        {k9_19_0, k9_19_0 + 1},
        {k9_19_0, k9_19_0 + 1},
@@ -72,13 +74,13 @@ const std::vector<GuardRule>& table() {
        Fix::kKeyTail,
        "9.19.0, head_dim 64 and 128",
        "backward NaN in dQ rows with logsumexp < -88.7 when s_kv % 128 == 64",
-       "repair the dQ rows with a very negative logsumexp (dropout: pad K/V)",
+       "the backward runs with cuDNN's padding mask (ATen fallback: K/V padded to a "
+       "multiple of 128)",
        "cudnn-frontend #160, PR #628; pytorch #196678; measured by this project on an "
        "H200 (torch 2.11.0, cuDNN 9.19.0)"},
       // The same defect elsewhere before its fix. torch 2.7.1 with cuDNN 9.7.1
       // failed for every s_kv % 128 != 0; versions and head_dims nobody
-      // measured are treated the same way. The fix in 9.26 is upstream's word:
-      // no GPU run here has used 9.26.
+      // measured are treated the same way. The fix in 9.26 is upstream's word.
       {"key_tail_nan_dq",
        {0, k9_26_0},
        {},
@@ -86,39 +88,42 @@ const std::vector<GuardRule>& table() {
        Fix::kKeyTail,
        "< 9.26.0 (other than 9.19.0 at head_dim 64/128)",
        "backward NaN in dQ rows with logsumexp < -88.7 when s_kv % 128 != 0",
-       "repair the dQ rows with a very negative logsumexp (dropout: pad K/V)",
-       "cudnn-frontend #160, PR #628 (fixed in cuDNN 9.26, torch 2.15's: reported "
-       "upstream, not measured by this project); pytorch #196678"},
-      // Measured by this project on 9.19.0 (H200; the sweep of
-      // tools/sweep_single_query_row.py): of 798 cells, stock cuDNN wrote NaN
-      // into dK (and dV) in 157, every one at batch 1 with one query row and a
-      // logsumexp at or below -89 (clean at -88 and above, at batch 2 and 3 and
-      // at s_q 2), with no mask, bool and additive masks, grouped-query
-      // attention and head_dim 64, 128 and 256; never with is_causal.
+       "the backward runs with cuDNN's padding mask (ATen fallback: K/V padded to a "
+       "multiple of 128)",
+       "cudnn-frontend #160, PR #628 (fixed in cuDNN 9.26, reported upstream); "
+       "pytorch #196678; conservative: every s_kv % 128 != 0 failed on cuDNN 9.7.1"},
+      // Measured on 9.19.0 (H200, tools/sweep_single_query_row.py): of 798
+      // cells, stock cuDNN wrote NaN into dK (and dV) in 157, every one at
+      // batch 1 with one query row and a logsumexp at or below -89 (clean at
+      // -88 and above, at batch 2 and 3 and at s_q 2), with no mask, bool and
+      // additive masks, grouped-query attention and head_dim 64, 128 and 256;
+      // never with is_causal. The padding mask removed it at head_dim 64-256.
       {"sq1_nan_dk_dv_9.19",
        {k9_19_0, k9_19_0 + 1},
        {k9_19_0, k9_19_0 + 1},
        &single_query_row_measured_hits,
-       Fix::kPadQuery,
+       Fix::kSingleQueryRow,
        "9.19.0",
        "backward NaN in dK and dV for batch 1, s_q == 1 and a logsumexp below "
        "about -89 (not with is_causal)",
-       "the backward runs with a second, zero query row",
+       "the backward is computed in fp32 without cuDNN (with dropout: cuDNN's padding "
+       "mask and a second, zero query row)",
        "cudnn-frontend #1072 (reported on 9.25.1 and 9.26); measured by this project on "
        "an H200 (torch 2.11.0, cuDNN 9.19.0)"},
       // Reported on 9.25.1.1 and 9.26.0.51 (torch 2.15.0's pin); the versions
-      // between are assumed affected, is_causal included (not measured there).
+      // between are assumed affected, is_causal included.
       {"sq1_nan_dk_dv",
        {0, kAfterNewest},
        {},
        &single_query_row_hits,
-       Fix::kPadQuery,
+       Fix::kSingleQueryRow,
        "<= 9.26.x (other than 9.19.0; torch 2.15 pins 9.26.0)",
        "backward NaN in all of dK and dV for batch 1, s_q == 1 and a very "
        "negative logsumexp",
-       "the backward runs with a second, zero query row",
+       "the backward is computed in fp32 without cuDNN (with dropout: cuDNN's padding "
+       "mask and a second, zero query row)",
        "cudnn-frontend #1072 (reported on 9.25.1.1 and 9.26.0.51, torch 2.15.0's "
-       "pin); conservative: not measured by this project except on 9.19.0 (row above)"},
+       "pin); conservative: measured on 9.19.0 only (row above)"},
       // ---- The ragged layout (openwam::sdpa_varlen's cuDNN engine).
       // Measured on 9.19.0 (torch 2.11.0+cu130, H200, tools/sweep_varlen_ragged.py):
       // dQ wrong on all seven cells of several sequences, ordinary ones too
@@ -154,9 +159,8 @@ const std::vector<GuardRule>& table() {
        "by head_dim instead of the longest sequence (pytorch #186142)",
        "sdpa_varlen runs the call on FlashAttention-2 varlen (or its "
        "block-diagonal fallback); OPENWAM_SDPA_VARLEN=cudnn overrides",
-       "conservative: not measured by this project except on 9.19.0 (row above); "
-       "related: TransformerEngine #3249 (a ragged backward read its stats as dense, "
-       "fixed in cuDNN 9.26)"},
+       "pytorch #186142; conservative: measured on 9.19.0 only (row above); "
+       "related: TransformerEngine #3249 (fixed in cuDNN 9.26)"},
   };
   return rules;
 }
@@ -189,18 +193,12 @@ GuardVerdict check_guards(const CallShape& shape, long cudnn_version) {
         verdict.avoid = &rule;
         return verdict;
       case Fix::kKeyTail:
-        // Dropout: the repair cannot replay the forward's dropout pattern, so
-        // forward and backward run on padded keys. The repair kernel takes
-        // one head_dim for query and value; other calls pad the backward.
-        if (shape.dropout_p > 0.0) {
-          verdict.plan.pad_keys_forward = true;
-        } else if (shape.head_dim_v != shape.head_dim) {
-          verdict.plan.pad_keys_backward = true;
-        } else {
-          verdict.plan.repair_dq = true;
-        }
+        verdict.plan.padding_mask = true;
+        (shape.dropout_p > 0.0 ? verdict.plan.pad_keys_forward
+                               : verdict.plan.pad_keys_backward) = true;
         break;
-      case Fix::kPadQuery:
+      case Fix::kSingleQueryRow:
+        verdict.plan.padding_mask = true;
         verdict.plan.pad_query_backward = true;
         break;
     }

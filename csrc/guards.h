@@ -32,12 +32,15 @@ struct VersionRange {
   bool empty() const { return first >= end; }
 };
 
-// What a rule does to a call it hits.
+// What a rule does to a differentiated call it hits.
 enum class Fix {
-  kAvoidCudnn,  // no fix on cuDNN: the call runs on PyTorch's next backend
-  kKeyTail,     // the key-tail dQ defect: repair the dQ rows (pad the keys with
-                // dropout, or a value head_dim of its own)
-  kPadQuery,    // the single-query-row dK/dV defect: pad the query to 2 rows
+  kAvoidCudnn,       // no fix on cuDNN: the call runs on PyTorch's next backend
+  kKeyTail,          // the key-tail dQ defect: cuDNN's padding mask on the
+                     // frontend; on the ATen fallback, K/V padded to a multiple
+                     // of 128 (with dropout, in the forward too)
+  kSingleQueryRow,   // the one-query-row dK/dV defect: the backward in fp32
+                     // without cuDNN; with dropout, cuDNN's padding mask and a
+                     // second zero query row
 };
 
 struct GuardRule {

@@ -5,16 +5,16 @@
 namespace openwam {
 namespace {
 
-constexpr int64_t kRepairDq = 1;
+constexpr int64_t kPaddingMask = 1;
 constexpr int64_t kPadKeysBackward = 2;
 constexpr int64_t kPadKeysForward = 4;
 constexpr int64_t kPadQueryBackward = 8;
-constexpr int64_t kAll = kRepairDq | kPadKeysBackward | kPadKeysForward | kPadQueryBackward;
+constexpr int64_t kAll = kPaddingMask | kPadKeysBackward | kPadKeysForward | kPadQueryBackward;
 
 }  // namespace
 
 int64_t Plan::to_int() const {
-  return (repair_dq ? kRepairDq : 0) | (pad_keys_backward ? kPadKeysBackward : 0) |
+  return (padding_mask ? kPaddingMask : 0) | (pad_keys_backward ? kPadKeysBackward : 0) |
          (pad_keys_forward ? kPadKeysForward : 0) |
          (pad_query_backward ? kPadQueryBackward : 0);
 }
@@ -24,7 +24,7 @@ Plan Plan::from_int(int64_t bits) {
               "openwam: plan must be a combination of the plan flags (0..", kAll,
               "), got ", bits);
   Plan p;
-  p.repair_dq = (bits & kRepairDq) != 0;
+  p.padding_mask = (bits & kPaddingMask) != 0;
   p.pad_keys_backward = (bits & kPadKeysBackward) != 0;
   p.pad_keys_forward = (bits & kPadKeysForward) != 0;
   p.pad_query_backward = (bits & kPadQueryBackward) != 0;
@@ -39,7 +39,7 @@ std::string Plan::to_string() const {
       out += name;
     }
   };
-  add(repair_dq, "repair_dq");
+  add(padding_mask, "padding_mask");
   add(pad_keys_backward, "pad_keys_backward");
   add(pad_keys_forward, "pad_keys_forward");
   add(pad_query_backward, "pad_query_backward");

@@ -1,7 +1,13 @@
 // What a differentiated call on the cuDNN path does about the cuDNN backward
 // defects that hit it. The guard table (guards.h) sets it; the cuDNN path's
-// backward (cudnn_path_kernels.cpp) carries it out. Fixes combine: a call can
-// hit two defects at once (batch 1, one query row, s_kv % 128 == 64).
+// kernels (cudnn_path_kernels.cpp) carry it out.
+//
+// A plan names one fix per engine. On the cuDNN frontend (cudnn_frontend/),
+// the op's own graphs, the fix is cuDNN's padding mask. Where the frontend
+// cannot build a graph for a call, the call runs on ATen's cuDNN attention,
+// whose wrappers hide that mask, and the fix is to pad the inputs instead.
+// Fixes combine: a call can hit two defects at once (batch 1, one query row,
+// s_kv % 128 == 64).
 #pragma once
 
 #include <cstdint>
@@ -10,31 +16,36 @@
 namespace openwam {
 
 struct Plan {
-  // Stock forward and backward, then the dQ rows with a very negative
-  // logsumexp are recomputed (repair_dq.h; on tensor cores with fp32
-  // accumulation, on the CPU an exact reference): the key-tail defect.
-  bool repair_dq = false;
-  // The backward runs on K/V zero-padded to a multiple of 128, the padded keys
-  // hidden by -inf (OPENWAM_SDPA_PAD=always, or a key-tail call whose value
-  // head_dim differs from the query's: guards.cpp): the key-tail defect.
+  // Frontend: the backward graph runs with cuDNN's padding mask, seq_len_q and
+  // seq_len_kv set to the full lengths. It removes both backward defects at
+  // the source (the key-tail dQ NaN, cudnn-frontend #160; the one-query-row
+  // dK/dV NaN, #1072): the kernel then treats the key rows past s_kv in the
+  // last tile as out of range instead of scoring them 0.
+  bool padding_mask = false;
+
+  // ATen fallback, the key-tail defect: the backward runs on K/V zero-padded
+  // to a multiple of 128, the padded keys hidden by -inf.
   bool pad_keys_backward = false;
-  // Forward and backward on padded K/V: with dropout the backward must see the
-  // key length the forward's dropout pattern was drawn for.
+  // ATen fallback, the key-tail defect with dropout: forward and backward on
+  // the padded K/V, since the backward must see the key length the forward's
+  // dropout pattern was drawn for.
   bool pad_keys_forward = false;
-  // The backward runs with a second, zero query row (zero dO, zero output):
-  // cuDNN writes NaN into all of dK and dV for batch 1 and a single query
-  // row with a very negative logsumexp (cudnn-frontend #1072).
+  // ATen fallback, the one-query-row defect: the backward runs with a second,
+  // zero query row (zero dO, zero output).
   bool pad_query_backward = false;
 
   bool none() const {
-    return !repair_dq && !pad_keys_backward && !pad_keys_forward && !pad_query_backward;
+    return !padding_mask && !pad_keys_backward && !pad_keys_forward && !pad_query_backward;
   }
   bool pads_keys() const { return pad_keys_backward || pad_keys_forward; }
+  // The part that the ATen fallback carries out.
+  bool pads_inputs() const { return pads_keys() || pad_query_backward; }
 
   // The op schemas carry the plan as an int.
   int64_t to_int() const;
   static Plan from_int(int64_t bits);
-  // "none", or the fixes joined by '+', e.g. "repair_dq+pad_query_backward".
+  // "none", or the fixes joined by '+', e.g. "padding_mask+pad_keys_backward"
+  // (the frontend's fix, then the ATen fallback's).
   std::string to_string() const;
 
   bool operator==(const Plan& o) const { return to_int() == o.to_int(); }

@@ -4,7 +4,6 @@
 #include <limits>
 
 #include "cudnn_attention.h"
-#include "repair_dq.h"
 
 namespace openwam {
 namespace {
@@ -87,21 +86,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reference_backward(
           at::empty_like(value).copy_(reduce_heads(dv, value.size(1)))};
 }
 
-void reference_repair_dq(at::Tensor& grad_query, const at::Tensor& grad_out,
-                         const at::Tensor& query, const at::Tensor& key,
-                         const at::Tensor& value, const at::Tensor& out,
-                         const at::Tensor& logsumexp, const at::Tensor& bias,
-                         bool is_causal, double scale) {
-  TORCH_CHECK(grad_query.dim() == 4 && grad_query.sizes() == query.sizes(),
-              "openwam::_repair_dq_: grad_query must have query's shape ",
-              query.sizes(), ", got ", grad_query.sizes());
-  const Scores r = scores(query, key, value, bias, is_causal, scale, logsumexp, at::kDouble);
-  const at::Tensor go = grad_out.to(at::kDouble);
-  const at::Tensor delta = (go * out.to(at::kDouble)).sum(-1, /*keepdim=*/true);
-  const at::Tensor ds = r.probs * (at::matmul(go, r.value.transpose(-1, -2)) - delta);
-  const at::Tensor dq = at::matmul(ds, r.key) * scale;
-  const at::Tensor repaired = r.logsumexp < static_cast<double>(kRepairLseThreshold);
-  grad_query.copy_(at::where(repaired, dq, grad_query.to(at::kDouble)));
+std::tuple<at::Tensor, at::Tensor, at::Tensor> single_row_backward(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+    const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
+    const at::Tensor& bias, bool is_causal, std::optional<double> scale) {
+  TORCH_CHECK(query.dim() == 4 && query.size(2) == 1,
+              "openwam::_cudnn_sdpa_backward: the plan pad_query_backward is for a single "
+              "query row, got ", query.size(2), " rows");
+  const int64_t batch = query.size(0), heads = query.size(1), kv_heads = key.size(1);
+  const int64_t group = heads / kv_heads;
+  const int64_t s_kv = key.size(2);
+  const double s = scale_or_default(scale, query);
+  // Head h = kv_head * group + g: [B, H, 1, E] seen as [B, H_kv, group, E].
+  const auto grouped = [&](const at::Tensor& t) {
+    return t.to(at::kFloat).reshape({batch, kv_heads, group, t.size(-1)});
+  };
+  const at::Tensor q = grouped(query), go = grouped(grad_out), o = grouped(out);
+  const at::Tensor k = key.to(at::kFloat), v = value.to(at::kFloat);
+  at::Tensor scores = at::matmul(q, k.transpose(-1, -2)) * s;  // [B, H_kv, group, S]
+  if (bias.defined()) {
+    scores = scores + bias.to(at::kFloat).expand({batch, heads, 1, s_kv}).reshape(
+                          {batch, kv_heads, group, s_kv});
+  }
+  if (is_causal && s_kv > 1) {  // top-left: the one row sees key 0 only
+    scores = at::cat({scores.narrow(-1, 0, 1),
+                      at::full_like(scores.narrow(-1, 1, s_kv - 1),
+                                    -std::numeric_limits<double>::infinity())},
+                     -1);
+  }
+  const at::Tensor lse = logsumexp.to(at::kFloat).reshape({batch, kv_heads, group, 1});
+  // A row that sees no key (logsumexp -inf) has zero gradients.
+  const at::Tensor probs =
+      at::where(lse.isneginf(), at::zeros({}, scores.options()), at::exp(scores - lse));
+  const at::Tensor delta = (go * o).sum(-1, /*keepdim=*/true);
+  const at::Tensor ds = probs * (at::matmul(go, v.transpose(-1, -2)) - delta);
+  const at::Tensor dq = (at::matmul(ds, k) * s).reshape({batch, heads, 1, query.size(-1)});
+  const at::Tensor dk = at::matmul(ds.transpose(-1, -2), q) * s;  // summed over the group
+  const at::Tensor dv = at::matmul(probs.transpose(-1, -2), go);
+  return {at::empty_like(query).copy_(dq), at::empty_like(key).copy_(dk),
+          at::empty_like(value).copy_(dv)};
 }
 
 }  // namespace openwam

@@ -25,11 +25,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reference_backward(
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
     const at::Tensor& bias, bool is_causal, std::optional<double> scale);
 
-// The dQ-row repair (repair_dq.h) in float64: what the CUDA kernel must write.
-void reference_repair_dq(at::Tensor& grad_query, const at::Tensor& grad_out,
-                         const at::Tensor& query, const at::Tensor& key,
-                         const at::Tensor& value, const at::Tensor& out,
-                         const at::Tensor& logsumexp, const at::Tensor& bias,
-                         bool is_causal, double scale);
+// The backward of a one-query-row call (the plan pad_query_backward: batch
+// 1 on the GPU) in fp32 with ATen ops, on any device. cuDNN's own backward
+// there is cudnn-frontend #1072 (non-finite dK/dV), and the frontend's
+// padding mask with a grown query left dQ at up to 1.15x the worse of flash
+// and efficient attention in fp16 (H200, cuDNN 9.19.0). The problem is
+// GEMV-sized: the query heads sharing a key/value head become the rows of
+// one product, so grouped-query attention copies nothing and dK/dV sum over
+// the group in the product. No dropout. query [B, H, 1, E]; key/value
+// [B, H_kv, S, E|Ev]; logsumexp [B, H, 1, 1] float32; bias broadcastable to
+// [B, H, 1, S] or undefined. A query with more rows is a user's plan error.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> single_row_backward(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+    const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
+    const at::Tensor& bias, bool is_causal, std::optional<double> scale);
 
 }  // namespace openwam

@@ -3,7 +3,6 @@
 //   sdpa                  sdpa_op.cpp (CompositeImplicitAutograd, Autocast)
 //   _cudnn_sdpa           cudnn_path.cpp (Autograd), cudnn_path_kernels.cpp
 //   _cudnn_sdpa_backward  (CUDA, CPU reference, Meta)
-//   _repair_dq_           repair_dq.cpp
 //   pad_keys              padding.cpp
 #include <torch/library.h>
 
@@ -35,10 +34,4 @@ TORCH_LIBRARY(openwam, m) {
   m.def(
       "pad_keys(Tensor key, Tensor value, Tensor? attn_mask=None, "
       "int multiple=128) -> (Tensor, Tensor, Tensor)");
-  // The dQ-row repair on its own (repair_dq.h): recomputes the rows whose
-  // logsumexp lies below the overflow threshold of the key-tail defect.
-  m.def(
-      "_repair_dq_(Tensor(a!) grad_query, Tensor grad_out, Tensor query, "
-      "Tensor key, Tensor value, Tensor out, Tensor logsumexp, "
-      "Tensor? attn_bias, bool is_causal, float scale) -> ()");
 }

@@ -19,7 +19,7 @@ bool is(const char* value, const char* expected) {
   return std::strcmp(value, expected) == 0;
 }
 
-// The cache: the three settings packed into one word, so that a call reads
+// The cache: the four settings packed into one word, so that a call reads
 // them with one relaxed atomic load. kUnset: not parsed yet (or the last
 // parse raised).
 constexpr int kUnset = -1;
@@ -27,7 +27,7 @@ std::atomic<int> g_packed{kUnset};
 
 int pack(const Settings& s) {
   return static_cast<int>(s.cudnn) | static_cast<int>(s.pad) << 2 |
-         static_cast<int>(s.check_finite) << 4;
+         static_cast<int>(s.check_finite) << 4 | static_cast<int>(s.frontend) << 5;
 }
 
 Settings unpack(int bits) {
@@ -35,6 +35,7 @@ Settings unpack(int bits) {
   s.cudnn = static_cast<CudnnPreference>(bits & 3);
   s.pad = static_cast<PadMode>((bits >> 2) & 3);
   s.check_finite = ((bits >> 4) & 1) != 0;
+  s.frontend = ((bits >> 5) & 1) != 0;
   return s;
 }
 
@@ -72,6 +73,12 @@ Settings settings_from_environment() {
               "openwam::sdpa: environment variable OPENWAM_SDPA_CHECK_FINITE "
               "must be unset, '0' or '1', got '", check, "'");
   s.check_finite = is(check, "1");
+
+  const char* frontend = env_value("OPENWAM_SDPA_FRONTEND");
+  TORCH_CHECK(is(frontend, "") || is(frontend, "0") || is(frontend, "1"),
+              "openwam::sdpa: environment variable OPENWAM_SDPA_FRONTEND "
+              "must be unset, '0' or '1', got '", frontend, "'");
+  s.frontend = !is(frontend, "0");
   return s;
 }
 

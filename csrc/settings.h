@@ -12,10 +12,10 @@ namespace openwam {
 enum class CudnnPreference { kFollowPyTorch, kPrefer, kNever };
 
 // OPENWAM_SDPA_PAD: auto (default) = the guard table decides which calls need
-// a fix and the cheapest exact fix is used; always = pad K/V to a multiple of
-// 128 on every differentiated cuDNN call (inside the backward; with dropout,
-// forward and backward); never = no fix at all (stock behaviour, for
-// measuring). Rules that keep a call off cuDNN (a crash) hold in every mode.
+// a fix; always = every differentiated cuDNN backward takes the fix (cuDNN's
+// padding mask; on the ATen fallback, K/V padded to a multiple of 128); never
+// = no fix at all (stock behaviour, for measuring). Rules that keep a call off
+// cuDNN (a crash) hold in every mode.
 enum class PadMode { kAuto, kAlways, kNever };
 
 struct Settings {
@@ -24,6 +24,11 @@ struct Settings {
   // OPENWAM_SDPA_CHECK_FINITE=1: debug mode; the backward synchronises and
   // raises when a gradient is not finite.
   bool check_finite = false;
+  // OPENWAM_SDPA_FRONTEND=0: the cuDNN path runs ATen's cuDNN attention with
+  // padded inputs, as it does for a configuration whose graph the frontend
+  // cannot build (to compare, or to step around a frontend problem); 1, the
+  // default: the op's own cuDNN graphs.
+  bool frontend = true;
 };
 
 // Parses the environment now (raises on an invalid value).

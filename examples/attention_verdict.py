@@ -28,8 +28,19 @@ class FirstAttentionCall(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def attention_text(first_call, repaired, none_seen="no scaled_dot_product_attention call seen"):
-    """Which attention ran, from explain() of its first call."""
+def fix_text(stats):
+    """What the cuDNN path did, from openwam_sdpa.frontend_stats() over the run:
+    backward calls that ran with cuDNN's padding mask (the fix, on the op's own
+    cuDNN graphs), and calls that took ATen's cuDNN attention with padded
+    inputs instead (a graph the frontend could not build). Both 0 off the cuDNN
+    path, e.g. on the CPU."""
+    return (f"backward calls with cuDNN's padding mask: {stats['padding_mask_backwards']}, "
+            f"calls on the ATen fallback: {stats['aten_fallback_calls']}")
+
+
+def attention_text(first_call, stats, none_seen="no scaled_dot_product_attention call seen"):
+    """Which attention ran, from explain() of its first call, and what the
+    cuDNN path did over the run (stats: openwam_sdpa.frontend_stats())."""
     p = first_call.plan
     if p is None:
         return none_seen
@@ -40,11 +51,12 @@ def attention_text(first_call, repaired, none_seen="no scaled_dot_product_attent
         return text + (f"; the guard table lists this call: {p['rule']}" if p["rule"] else "")
     text = f"openwam_sdpa, route {p['route']} ({p['reason']}), plan {p['plan']}"
     text += f", rule {p['rule']}" if p["rule"] else ""
-    return text + f"; {repaired} dQ rows repaired"
+    text += f", engine {p['engine']}" if p["engine"] else ""
+    return text + f"; {fix_text(stats)}"
 
 
-def verdict(bad_steps, steps, first_call, repaired, **attention):
+def verdict(bad_steps, steps, first_call, stats, **attention):
     finite = (f"finite: loss and gradients finite in all {steps} steps" if not bad_steps else
               f"NOT finite: loss or gradients non-finite from step {bad_steps[0]} "
               f"({len(bad_steps)} of {steps} steps)")
-    return f"verdict: {finite}; attention: {attention_text(first_call, repaired, **attention)}"
+    return f"verdict: {finite}; attention: {attention_text(first_call, stats, **attention)}"

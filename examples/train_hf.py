@@ -78,7 +78,7 @@ def main():
 
     print(f"{args.attn} on {device}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
           f"parameters, batch {args.batch} x {args.seq} tokens, left-padded")
-    openwam_sdpa.repaired_rows(reset=True)
+    openwam_sdpa.frontend_stats(reset=True)
     first_call, bad_steps = FirstAttentionCall(), []
     for step in range(args.steps):
         # Step 0's forward runs inside FirstAttentionCall, which names the attention.
@@ -95,7 +95,7 @@ def main():
         print("note: no NaN to show here: the NaN demonstration needs a CUDA GPU with cuDNN "
               "attention (the defect is in cuDNN's attention backward); this run checks that "
               "training works on the CPU")
-    print(verdict(bad_steps, args.steps, first_call, openwam_sdpa.repaired_rows(),
+    print(verdict(bad_steps, args.steps, first_call, openwam_sdpa.frontend_stats(),
                   none_seen="no scaled_dot_product_attention call seen (eager attention)"))
 
 

@@ -127,7 +127,7 @@ def main():
     attention = {"with": "with openwam_sdpa.patch():", "global": "openwam_sdpa.patch()",
                  "stock": "stock F.scaled_dot_product_attention (not patched)"}[args.route]
     print(f"{attention} on {device}: batch {args.batch} x {args.seq} tokens, left-padded")
-    openwam_sdpa.repaired_rows(reset=True)
+    openwam_sdpa.frontend_stats(reset=True)
     if args.route == "global":
         openwam_sdpa.patch()
         bad_steps, first_call = train(model, batch, args.steps, device)
@@ -140,7 +140,7 @@ def main():
         print("note: no NaN to show here: the NaN demonstration needs a CUDA GPU with cuDNN "
               "attention (the defect is in cuDNN's attention backward); this run checks that "
               "training works on the CPU")
-    print(verdict(bad_steps, args.steps, first_call, openwam_sdpa.repaired_rows()))
+    print(verdict(bad_steps, args.steps, first_call, openwam_sdpa.frontend_stats()))
 
 
 if __name__ == "__main__":

@@ -41,12 +41,12 @@ def _clean_settings(monkeypatch):
 
 @pytest.fixture
 def settings(monkeypatch):
-    """settings(cudnn=None, pad="always", check_finite=None): set the
+    """settings(cudnn=None, pad="always", check_finite=None, frontend=None): set the
     openwam_sdpa environment for this test and reload the cached settings;
     None unsets a variable."""
 
-    def apply(cudnn=None, pad=None, check_finite=None):
-        for name, value in zip(ENV_VARS, (cudnn, pad, check_finite)):
+    def apply(cudnn=None, pad=None, check_finite=None, frontend=None):
+        for name, value in zip(ENV_VARS, (cudnn, pad, check_finite, frontend)):
             if value is None:
                 monkeypatch.delenv(name, raising=False)
             else:

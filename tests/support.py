@@ -31,7 +31,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-ENV_VARS = ("OPENWAM_SDPA_CUDNN", "OPENWAM_SDPA_PAD", "OPENWAM_SDPA_CHECK_FINITE")
+ENV_VARS = ("OPENWAM_SDPA_CUDNN", "OPENWAM_SDPA_PAD", "OPENWAM_SDPA_CHECK_FINITE",
+            "OPENWAM_SDPA_FRONTEND")
 F_SDPA = F.scaled_dot_product_attention  # bound before any test can patch it
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import pytest
 import torch
 
@@ -17,6 +20,17 @@ def test_build_info_matches_running_torch(ow):
     assert info["cudnn_compiled"] >= 0 and info["cudnn_runtime"] >= 0
     if not torch.cuda.is_available():
         assert info["cudnn_runtime"] == 0
+
+
+def test_build_info_names_the_cudnn_frontend_it_was_built_with(ow):
+    """None without the frontend (every CPU build); else the release setup.py pins."""
+    frontend = ow.build_info()["cudnn_frontend"]
+    if not ow.build_info()["with_cuda"]:
+        assert frontend is None
+    if frontend is not None:
+        setup = (pathlib.Path(__file__).resolve().parents[1] / "setup.py").read_text()
+        pin = re.search(r'^CUDNN_FRONTEND_VERSION = "([^"]+)"', setup, re.M)
+        assert pin and frontend == pin.group(1), frontend
 
 
 def test_explain_reports_the_runtime_cudnn(ow):
@@ -50,10 +64,14 @@ def test_guard_rules(ow):
 
 def test_guard_rules_unmeasured_rows_say_so(ow):
     # What the doctor reads: a row with no measured part must not pass for a
-    # measurement of this project.
+    # measurement of this project, and a measured row names its stack.
     for rule in ow.guard_rules():
         if rule["measured_first_version"] >= rule["measured_end_version"]:
-            assert "not measured by this project" in rule["source"], rule
+            assert "conservative" in rule["source"], rule
+            assert "measured by this project on" not in rule["source"], rule
+        else:
+            assert "measured by this project on an H200" in rule["source"], rule
+            assert "conservative" not in rule["source"], rule
 
 
 # torch 2.15.0's CUDA wheels pin nvidia-cudnn-cu13==9.26.0.51.

@@ -1,13 +1,16 @@
 """The guarded cuDNN path's two leaf ops on the CPU.
 
 openwam::_cudnn_sdpa and openwam::_cudnn_sdpa_backward carry the fix: the
-backward applies the plan (repair the dQ rows, pad the keys, pad the query
-row) around cuDNN. Their CPU kernels run the same plan code around an exact
-fp32 attention instead of cuDNN (csrc/cudnn_path_kernels.cpp), so that what
-surrounds cuDNN is tested here: every plan must give what the unpadded
-attention gives, the ops must pass opcheck, and torch.compile must keep them
-as leaves, the backward (and with it the fix) included. The public op never
-routes a CPU call here; the GPU suite checks that on the real path.
+plan. On CUDA the op's own cuDNN graphs run the backward with cuDNN's padding
+mask; where the frontend cannot build a graph, ATen's cuDNN attention runs on
+padded inputs instead (the keys padded to a multiple of 128, a second query
+row). Their CPU kernels run that padding code around an exact fp32 attention
+instead of cuDNN (csrc/cudnn_path_kernels.cpp; the padding mask is a no-op
+there), so that what surrounds cuDNN is tested here: every plan must give
+what the unpadded attention gives, the ops must pass opcheck, and
+torch.compile must keep them as leaves, the backward (and with it the fix)
+included. The public op never routes a CPU call here; the GPU suite checks
+that on the real path.
 """
 
 from __future__ import annotations
@@ -24,11 +27,14 @@ FWD = torch.ops.openwam._cudnn_sdpa.default
 BWD = torch.ops.openwam._cudnn_sdpa_backward.default
 
 # Plan bits (csrc/plan.cpp).
-REPAIR_DQ, PAD_KEYS_BACKWARD, PAD_KEYS_FORWARD, PAD_QUERY_BACKWARD = 1, 2, 4, 8
-PLANS = {"none": 0, "repair_dq": REPAIR_DQ, "pad_keys_backward": PAD_KEYS_BACKWARD,
-         "pad_keys_forward": PAD_KEYS_FORWARD, "pad_query_backward": PAD_QUERY_BACKWARD,
-         "repair_dq+pad_query_backward": REPAIR_DQ | PAD_QUERY_BACKWARD,
-         "pad_keys_backward+pad_query_backward": PAD_KEYS_BACKWARD | PAD_QUERY_BACKWARD}
+PADDING_MASK, PAD_KEYS_BACKWARD, PAD_KEYS_FORWARD, PAD_QUERY_BACKWARD = 1, 2, 4, 8
+KEY_TAIL = PADDING_MASK | PAD_KEYS_BACKWARD  # a key-tail guard row's plan
+# Every plan the guard table and OPENWAM_SDPA_PAD give, by the name explain() shows.
+PLANS = {"none": 0, "padding_mask": PADDING_MASK,
+         "padding_mask+pad_keys_backward": KEY_TAIL,
+         "padding_mask+pad_keys_forward": PADDING_MASK | PAD_KEYS_FORWARD,
+         "padding_mask+pad_query_backward": PADDING_MASK | PAD_QUERY_BACKWARD,
+         "padding_mask+pad_keys_backward+pad_query_backward": KEY_TAIL | PAD_QUERY_BACKWARD}
 
 CASES = {
     # name: dict(B, H, Hkv, L, S, E, mask kind, is_causal, layout)
@@ -95,7 +101,19 @@ def test_pad_keys_forward_keeps_outputs():
     assert_close(a[1], b[1], 1e-5, 1e-6, "logsumexp")
 
 
-@pytest.mark.parametrize("plan", [0, REPAIR_DQ, PAD_KEYS_BACKWARD])
+def test_the_padding_mask_changes_nothing_on_the_cpu():
+    """The padding mask is the frontend's (CUDA) fix: on the reference engine
+    a plan that differs only by it gives the same bits."""
+    (q, k, v), _, bias, causal = inputs(mask="bool")
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+    for without in (0, PAD_KEYS_BACKWARD):
+        a_out, a_lse, a_g = run(q, k, v, bias, causal, without, grad_out)
+        b_out, b_lse, b_g = run(q, k, v, bias, causal, without | PADDING_MASK, grad_out)
+        assert torch.equal(a_out, b_out) and torch.equal(a_lse, b_lse)
+        assert all(torch.equal(a, b) for a, b in zip(a_g, b_g))
+
+
+@pytest.mark.parametrize("plan", [0, PADDING_MASK, KEY_TAIL])
 def test_fully_masked_rows_get_zero_output_and_gradient(plan):
     (q, k, v), _, _, _ = inputs()
     bias = torch.zeros(2, 1, 6, 70)
@@ -131,10 +149,10 @@ def test_invalid_plan_raises():
 
 OPCHECK = {
     "plain": dict(),
-    "bool_mask_repair": dict(mask="bool", plan=REPAIR_DQ),
-    "causal_pad_keys": dict(is_causal=True, plan=PAD_KEYS_BACKWARD),
+    "bool_mask_padding_mask": dict(mask="bool", plan=PADDING_MASK),
+    "causal_key_tail": dict(is_causal=True, plan=KEY_TAIL),
     "gqa_bshd": dict(H=4, Hkv=2, layout="bshd"),
-    "one_row_pad_query": dict(one_row=True, plan=PAD_QUERY_BACKWARD | REPAIR_DQ),
+    "one_row_pad_query": dict(one_row=True, plan=PAD_QUERY_BACKWARD | PADDING_MASK),
 }
 
 
@@ -168,7 +186,7 @@ def test_opcheck_backward(case):
 
 def test_traced_backward_graph_holds_the_ops_backward():
     (q, k, v), _, bias, _ = inputs(mask="bool")
-    plan = REPAIR_DQ | PAD_KEYS_BACKWARD
+    plan = KEY_TAIL
     graphs = traced_graphs(lambda q, k, v, b: FWD(q, k, v, b, 0.0, False, None, True, plan)[0],
                            q, k, v, bias)
     fwd, bwd = call_targets(graphs["forward"]), call_targets(graphs["backward"])
@@ -178,7 +196,7 @@ def test_traced_backward_graph_holds_the_ops_backward():
     node = next(n for n in graphs["backward"].graph.nodes
                 if str(n.target) == "openwam._cudnn_sdpa_backward.default")
     assert node.args[-1] == plan
-    assert not any("scaled_dot_product" in t or "_repair_dq" in t for t in fwd + bwd)
+    assert not any("scaled_dot_product" in t or "pad" in t for t in fwd + bwd)
 
 
 def test_public_op_decision_is_not_traced(ow):
@@ -198,7 +216,7 @@ def test_public_op_decision_is_not_traced(ow):
 def test_compiled_leaf_ops_match_eager(backend, dynamic):
     torch._dynamo.reset()
     (q, k, v), _, bias, _ = inputs(mask="additive")
-    plan = REPAIR_DQ | PAD_KEYS_BACKWARD
+    plan = KEY_TAIL
 
     def fn(q, k, v):
         return FWD(q, k, v, bias, 0.0, False, None, True, plan)[0]
@@ -216,59 +234,31 @@ def test_compiled_leaf_ops_match_eager(backend, dynamic):
 
 
 # --------------------------------------------------------------------------
-# The repair on its own (the CPU kernel states what the CUDA kernel computes)
+# The frontend's telemetry and graph cache (the op's own cuDNN graphs: CUDA only)
 # --------------------------------------------------------------------------
 
-
-@pytest.mark.parametrize("rows", ["first", "one_per_head", 0.3, "all"])
-@pytest.mark.parametrize("causal,mask", [(False, "none"), (True, "none"), (False, "key_bool")])
-def test_repair_recomputes_exactly_the_low_rows(rows, causal, mask):
-    from openwam_sdpa.adversarial import adversarial_inputs
-
-    a = adversarial_inputs(2, 4, 9, 70, 16, rows=rows, kv_heads=2, dtype=torch.float32)
-    m = make_mask(mask, 2, 4, 9, 70, dtype=torch.float32)
-    bias = None if m is None else torch.zeros(m.shape).masked_fill(~m, -math.inf)
-    out, lse, _, _ = FWD(a.query, a.key, a.value, bias, 0.0, causal, None, True, 0)
-    scale = 1.0 / math.sqrt(16)
-    ref_dq = reference(a.query, a.key, a.value, a.grad_out, m, causal, enable_gqa=True)[0].dq
-    low = lse.squeeze(-1) < openwam_sdpa.REPAIR_LSE_THRESHOLD
-    assert (low == a.affected).all()  # the builder's rows are exactly the low ones
-    dq = torch.full_like(a.query, float("nan"))
-    dq[~low] = 7.0  # untouched rows keep what they had
-    torch.ops.openwam._repair_dq_(dq, a.grad_out, a.query, a.key, a.value, out, lse, bias,
-                                  causal, scale)
-    assert (dq[~low] == 7.0).all()
-    # The logsumexp comes from an fp32 forward: at |lse| ~ 100 its rounding
-    # (~1e-5) scales every probability of the row by up to ~1e-3.
-    ref = ref_dq[low]
-    assert_close(dq[low].double(), ref, 2e-3 * max(ref.abs().max().item(), 1e-3), 0.0,
-                 "repaired rows")
+FRONTEND_COUNTERS = ("forward_graphs_built", "backward_graphs_built", "graph_build_failures",
+                     "graph_cache_evictions", "aten_fallback_calls", "padding_mask_backwards")
 
 
-def test_repair_zeroes_rows_that_see_no_key():
-    from openwam_sdpa.adversarial import adversarial_inputs
-
-    a = adversarial_inputs(1, 2, 5, 70, 16, rows="none", dtype=torch.float32)
-    bias = torch.zeros(1, 1, 5, 70)
-    bias[:, :, 3] = -math.inf
-    out, lse, _, _ = FWD(a.query, a.key, a.value, bias, 0.0, False, None, True, 0)
-    dq = torch.full_like(a.query, float("nan"))
-    torch.ops.openwam._repair_dq_(dq, a.grad_out, a.query, a.key, a.value, out, lse, bias,
-                                  False, 0.25)
-    assert torch.count_nonzero(dq[:, :, 3]) == 0
-    assert torch.isnan(dq[:, :, :3]).all()  # rows above the threshold are not touched
-
-
-def test_repaired_rows_counter_is_zero_on_cpu(ow):
-    assert ow.repaired_rows() == 0
-    assert ow.repaired_rows(reset=True) == 0
+def test_frontend_stats_count_nothing_on_the_cpu(ow):
+    """The cuDNN path's leaf ops on the CPU build no graph and take no mask."""
+    (q, k, v), _, bias, causal = inputs(mask="bool")
+    run(q, k, v, bias, causal, KEY_TAIL, torch.randn(q.shape))
+    ow.sdpa(q, k, v, is_causal=True).sum().backward()
+    stats = ow.frontend_stats()
+    assert set(stats) == set(FRONTEND_COUNTERS) | {"failed_configurations"}
+    assert all(stats[name] == 0 for name in FRONTEND_COUNTERS), stats
+    assert stats["failed_configurations"] == []
+    assert ow.frontend_stats(reset=True) == stats
+    ow.clear_graph_cache()  # nothing cached: a no-op, not an error
+    assert ow.frontend_stats() == stats
 
 
-def test_repair_threshold_is_the_kernels_and_covers_the_defect(ow):
-    """REPAIR_LSE_THRESHOLD is the C++ constant the repair uses (the row
-    tests above select rows with it), and lies above -88.7, where cuDNN's
-    dQ goes NaN (exp(-lse) |dO . o| overflows float32: lse < -88.72 +
-    ln|dO . o|), with room for |dO . o| up to e^48."""
-    assert ow.REPAIR_LSE_THRESHOLD == ow._C.REPAIR_LSE_THRESHOLD == -40.0
-    assert ow.REPAIR_LSE_THRESHOLD >= -88.72 + 48
-    assert "REPAIR_LSE_THRESHOLD" in ow.__all__
+def test_the_repair_api_is_gone(ow):
+    """The dQ repair (its op, counter and threshold) is retired with its kernel:
+    the frontend's padding mask fixes the defect at its source."""
+    assert {"frontend_stats", "clear_graph_cache"} <= set(ow.__all__)
+    for name in ("repaired_rows", "REPAIR_LSE_THRESHOLD"):
+        assert name not in ow.__all__ and not hasattr(ow, name) and not hasattr(ow._C, name)
+    assert not hasattr(torch.ops.openwam, "_repair_dq_")

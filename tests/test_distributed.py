@@ -35,7 +35,7 @@ WORLD = 2
 SPAWN_TIMEOUT_S = 300  # the cases take ~30 s; the margin is for a loaded machine
 
 # Plan bits of the leaf ops' `plan` argument (csrc/plan.cpp).
-REPAIR_DQ, PAD_KEYS_BACKWARD = 1, 2
+PADDING_MASK, PAD_KEYS_BACKWARD = 1, 2
 
 CASES = {}
 
@@ -140,11 +140,12 @@ def heads_sharded(mesh):
 @case
 def bf16_heads_sharded_with_plans(mesh):
     """bf16, as training runs it, and the plans passed through to the shards
-    (the CPU kernel pads the keys and repairs dQ rows as the GPU does)."""
+    (the padding mask, and the key-tail plan whose K/V padding the CPU kernel
+    carries out as the GPU's ATen fallback does)."""
     from torch.distributed.tensor import Shard
 
     q, k, v, grad_out = _inputs(S=40, dtype=torch.bfloat16)
-    for plan in (REPAIR_DQ, PAD_KEYS_BACKWARD):
+    for plan in (PADDING_MASK, PADDING_MASK | PAD_KEYS_BACKWARD):
         want = _reference(q, k, v, grad_out, plan=plan)
         dq, dk, dv, dgrad = _distributed(mesh, [Shard(1)] * 4, q, k, v, grad_out, leaves=3)
         out, lse, _, _ = _forward(dq, dk, dv, plan=plan)

@@ -107,7 +107,8 @@ def test_cases_run_on_the_cpu():
 
 def gpu_facts(stock=0, ours=0, stock_lp=0, ours_lp=0, cudnn=91900):
     counts = lambda n: {"q": n, "k": 0, "v": 0}  # noqa: E731
-    plan = {"backend": "cudnn", "plan": "repair_dq", "pytorch_choice": "cudnn_attention"}
+    plan = {"backend": "cudnn", "plan": "padding_mask+pad_keys_backward",
+            "pytorch_choice": "cudnn_attention"}
     return {
         "torch": "2.11.0+cu130", "cuda": "13.0", "cudnn_compiled": cudnn, "cudnn_runtime": cudnn,
         "built_for_torch": "2.11.0+cu130", "extension_has_cuda": True, "gpu": "H200 (sm90)",

@@ -300,6 +300,7 @@ ENV_CASES = [
     ("OPENWAM_SDPA_PAD", "1", "must be 'auto', 'always' or 'never'"),
     ("OPENWAM_SDPA_CHECK_FINITE", "true", "must be unset, '0' or '1'"),
     ("OPENWAM_SDPA_CHECK_FINITE", "on", "must be unset, '0' or '1'"),
+    ("OPENWAM_SDPA_FRONTEND", "no", "must be unset, '0' or '1'"),
 ]
 
 
@@ -319,7 +320,7 @@ def test_invalid_setting_raises_on_reload_and_after(ow, monkeypatch, name, value
 
 
 @pytest.mark.parametrize("name", ["OPENWAM_SDPA_CUDNN", "OPENWAM_SDPA_PAD",
-                                  "OPENWAM_SDPA_CHECK_FINITE"])
+                                  "OPENWAM_SDPA_CHECK_FINITE", "OPENWAM_SDPA_FRONTEND"])
 def test_settings_are_cached_until_reload(ow, monkeypatch, name):
     """The environment is read once, not on every call (host time): a change
     takes effect at reload_settings()."""
@@ -342,6 +343,9 @@ def test_settings_are_cached_until_reload(ow, monkeypatch, name):
     ("OPENWAM_SDPA_CHECK_FINITE", "", "check_finite", False),
     ("OPENWAM_SDPA_CHECK_FINITE", "0", "check_finite", False),
     ("OPENWAM_SDPA_CHECK_FINITE", "1", "check_finite", True),
+    ("OPENWAM_SDPA_FRONTEND", "", "frontend", True),
+    ("OPENWAM_SDPA_FRONTEND", "1", "frontend", True),
+    ("OPENWAM_SDPA_FRONTEND", "0", "frontend", False),
 ])
 def test_valid_settings_are_accepted(ow, monkeypatch, name, value, key, expected):
     monkeypatch.setenv(name, value)

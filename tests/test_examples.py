@@ -20,6 +20,8 @@ TINY = ["--device", "cpu", "--steps", "3", "--batch", "3", "--seq", "40", "--lay
 STEP = re.compile(r"^step (\d+): loss (\S+)  grad norm (\S+)$", re.M)
 VERDICT = re.compile(r"^verdict: (finite|NOT finite): (.+); attention: (.+)$")
 CPU_NOTE = "note: no NaN to show here: the NaN demonstration needs a CUDA GPU with cuDNN attention"
+# The cuDNN path's work over the run (openwam_sdpa.frontend_stats()): none on the CPU.
+NO_CUDNN_WORK = "backward calls with cuDNN's padding mask: 0, calls on the ATen fallback: 0"
 
 
 @pytest.fixture(autouse=True)
@@ -67,6 +69,7 @@ def verdict_of(out, steps=3):
 def op_route(q, k, v, mask, enable_gqa=False):
     """What the verdict must say for openwam_sdpa, from the op's own explain()."""
     p = openwam_sdpa.explain(q, k, v, mask, enable_gqa=enable_gqa)
+    assert p["engine"] == ""  # off the cuDNN path: the verdict names no engine
     return f"openwam_sdpa, route {p['route']} ({p['reason']}), plan {p['plan']}"
 
 
@@ -79,7 +82,7 @@ def test_hf_example(monkeypatch, capsys):
     q = torch.zeros(3, 2, 40, 32, requires_grad=True)
     kv = torch.zeros(3, 1, 40, 32)
     expected = op_route(q, kv, kv, torch.ones(3, 1, 40, 40, dtype=torch.bool), enable_gqa=True)
-    assert verdict_of(out) == f"{expected}; 0 dQ rows repaired"
+    assert verdict_of(out) == f"{expected}; {NO_CUDNN_WORK}"
 
 
 @pytest.mark.parametrize("attn,attention", [
@@ -120,7 +123,7 @@ def test_patch_example(route, monkeypatch, capsys):
     if route == "stock":
         assert attention.startswith("stock F.scaled_dot_product_attention ("), attention
     else:
-        assert attention == f"{op_route(q, q.detach(), q.detach(), mask)}; 0 dQ rows repaired"
+        assert attention == f"{op_route(q, q.detach(), q.detach(), mask)}; {NO_CUDNN_WORK}"
 
 
 def test_a_non_finite_step_makes_the_verdict_say_so(capsys):
@@ -133,10 +136,35 @@ def test_a_non_finite_step_makes_the_verdict_say_so(capsys):
     batch[0][1, 5] = 7  # one token reads the NaN row
     bad_steps, first_call = ex["train"](model, batch, 3, torch.device("cpu"))
     assert bad_steps == [0, 1, 2]
-    line = ex["verdict"](bad_steps, 3, first_call, 0)
+    line = ex["verdict"](bad_steps, 3, first_call, openwam_sdpa.frontend_stats())
     assert line.startswith("verdict: NOT finite: loss or gradients non-finite from step 0 (3 of 3 steps); "
                            "attention: stock F.scaled_dot_product_attention ("), line
     capsys.readouterr()
+
+
+def test_the_verdict_on_the_cuda_path_names_the_engine_and_the_fix():
+    """The line a GPU run prints (the CPU cannot take the cuDNN path): the
+    engine from explain(), the counts from frontend_stats()."""
+    ex = load("attention_verdict.py")
+    first_call = ex["FirstAttentionCall"]()
+    first_call.stock = False
+    first_call.plan = {"route": "cudnn", "reason": "PyTorch picks cuDNN",
+                       "pytorch_choice": "cudnn_attention", "plan": "padding_mask+pad_keys_backward",
+                       "rule": "key_tail_nan_dq_9.19", "engine": "cudnn_frontend"}
+    stats = dict(openwam_sdpa.frontend_stats(), padding_mask_backwards=4, aten_fallback_calls=1)
+    assert ex["verdict"]([], 2, first_call, stats) == (
+        "verdict: finite: loss and gradients finite in all 2 steps; attention: openwam_sdpa, "
+        "route cudnn (PyTorch picks cuDNN), plan padding_mask+pad_keys_backward, "
+        "rule key_tail_nan_dq_9.19, engine cudnn_frontend; backward calls with cuDNN's "
+        "padding mask: 4, calls on the ATen fallback: 1")
+    # No rule, and the build without the frontend: ATen's cuDNN attention.
+    first_call.plan = dict(first_call.plan, plan="padding_mask", rule="", engine="aten_cudnn")
+    stats = dict(stats, padding_mask_backwards=0, aten_fallback_calls=0)
+    line = ex["verdict"]([1], 2, first_call, stats)
+    assert VERDICT.match(line), line
+    assert line.endswith("attention: openwam_sdpa, route cudnn (PyTorch picks cuDNN), plan "
+                         "padding_mask, engine aten_cudnn; backward calls with cuDNN's padding "
+                         "mask: 0, calls on the ATen fallback: 0"), line
 
 
 @pytest.mark.parametrize("name", ["train_hf.py", "train_patch.py"])

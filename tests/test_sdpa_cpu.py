@@ -356,7 +356,7 @@ def test_nan_query_row_with_math_backend_gives_nan_row(ow):
 # explain()
 # --------------------------------------------------------------------------
 
-EXPLAIN_KEYS = {"route", "backend", "pytorch_choice", "plan", "rule", "reason",
+EXPLAIN_KEYS = {"route", "backend", "pytorch_choice", "plan", "engine", "rule", "reason",
                 "differentiated", "settings", "cudnn_runtime"}
 
 
@@ -366,7 +366,9 @@ def test_explain_defaults_on_cpu(ow):
     assert EXPLAIN_KEYS <= set(info)
     assert info["route"] == info["backend"] == "pytorch"
     assert info["plan"] == "none" and info["rule"] == ""
-    assert info["settings"] == {"cudnn": "follow_pytorch", "pad": "auto", "check_finite": False}
+    assert info["engine"] == ""  # which cuDNN runs: named on the cuDNN route only
+    assert info["settings"] == {"cudnn": "follow_pytorch", "pad": "auto", "check_finite": False,
+                                 "frontend": True}
     assert info["reason"] == "inputs are not on a CUDA device"
     # No cuDNN on the CPU: PyTorch's selector need not be asked.
     assert info["pytorch_choice"] == "not asked"
@@ -380,7 +382,7 @@ def test_explain_cudnn_setting_on_cpu(ow, settings, cudnn, route, reason):
     settings(cudnn=cudnn)
     q, k, v = qkv(B, H, L, S, E, requires_grad=True)
     info = ow.explain(q, k, v)
-    assert info["route"] == route and info["plan"] == "none"
+    assert info["route"] == route and info["plan"] == "none" and info["engine"] == ""
     assert info["settings"]["cudnn"] == {"1": "prefer", "0": "never"}[cudnn]
     assert info["reason"] == reason
     compare(ow, q, k, v)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU machine's checks in one run: build, the test suites, the doctor, the
-# benchmarks, compute-sanitizer and Nsight Compute on the repair kernel.
+# benchmarks.
 # Written for an H200 machine with torch 2.11+cu130, nvcc 13.0 and no network;
 # run from the repository root there (carry .deps/catch2_*.deb if the machine
-# has no Catch2):
+# has no Catch2, and .whl/ with the nvidia-cudnn-frontend wheel for its
+# Python if the machine lacks it: it cannot reach a package index):
 #
 #   bash tools/device_run.sh                          # build tests doctor bench
 #   bash tools/device_run.sh build tests              # no benchmark
@@ -30,19 +31,12 @@
 #   bench   python benchmarks/bench_sdpa.py --out $OUT/bench $BENCH_ARGS
 #   host    python benchmarks/bench_sdpa.py --sections host --out $OUT/host
 #           (host time per forward and backward call, paired rounds)
-#   sanitize compute-sanitizer memcheck, racecheck and synccheck on the repair
-#           kernel alone (tools/repair_kernel_cases.py --cases small;
-#           report in $OUT/sanitize.txt)
-#   profile ncu on the repair kernel at the share table's shapes
-#           (tools/repair_kernel_cases.py --cases bench; report in $OUT/ncu.txt),
-#           then its stalls per SASS instruction on one case (PROFILE_MATCH,
-#           default "32x24x360x64 one_per_head"; $OUT/ncu_source.csv)
 # A test part on a machine without the built extension builds it first.
 #
 # Files under $OUT (default build/device-out): build.log (extension + CMake
 # build), tests.log (ctest and both pytest runs), gpu_suite_results.{json,md}
 # (written by tests/gpu/conftest.py), doctor.txt, bench/bench.{json,md,png},
-# host/host.{json,md}, sanitize.txt, ncu.txt, ncu_source.csv; with JUNIT=1
+# host/host.{json,md}; with JUNIT=1
 # also pytest_gpu.xml. The summary table is printed last. The whole run stops
 # itself before DEVICE_BUDGET_S seconds (default 560): parts that no longer
 # fit are reported as "skipped (time)".
@@ -98,7 +92,7 @@ section() { local f=$1; shift; printf '\n===== %s =====\n' "$*" >>"$f"; }
 parts=("$@")
 ((${#parts[@]})) || parts=(build tests doctor bench)
 want_build=0 want_ctest=0 want_cpu=0 want_gpu=0 want_fuzz=0 want_ragged=0 want_doctor=0 want_bench=0 want_sweep=0 want_pytorch=0
-want_host=0 want_sanitize=0 want_profile=0
+want_host=0
 for p in "${parts[@]}"; do
   case $p in
     build) want_build=1 ;;
@@ -113,10 +107,8 @@ for p in "${parts[@]}"; do
     sweep) want_sweep=1 ;;
     pytorch) want_pytorch=1 ;;
     host) want_host=1 ;;
-    sanitize) want_sanitize=1 ;;
-    profile) want_profile=1 ;;
     all) want_build=1 want_ctest=1 want_cpu=1 want_gpu=1 want_doctor=1 want_bench=1 ;;
-    *) echo "device_run.sh: unknown part '$p' (build ctest cpu gpu fuzz ragged tests doctor sweep pytorch bench host sanitize profile all)"; exit 2 ;;
+    *) echo "device_run.sh: unknown part '$p' (build ctest cpu gpu fuzz ragged tests doctor sweep pytorch bench host all)"; exit 2 ;;
   esac
 done
 
@@ -129,12 +121,23 @@ print(f"python {sys.version.split()[0]} ({sys.executable}), torch {torch.__versi
       f"cuda {torch.version.cuda}, cudnn {cudnn}, {gpu}")
 EOF
 command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
+# The cuDNN frontend's headers come with its wheel (setup.py finds them
+# through the installed distribution): from .whl/ where the machine lacks it.
+if ! "$PY" -c 'from importlib import metadata; metadata.distribution("nvidia-cudnn-frontend")' 2>/dev/null; then
+  whl=$(compgen -G "$ROOT/.whl/nvidia_cudnn_frontend-*.whl" | head -1)
+  if [[ -n "$whl" ]]; then
+    "$PY" -m pip install -q --no-index --no-deps --target "$ROOT/build/device-site" "$whl" >>"$BUILD_LOG" 2>&1
+    export PYTHONPATH=$ROOT/build/device-site${PYTHONPATH:+:$PYTHONPATH}
+  else
+    say "no nvidia-cudnn-frontend and no .whl/nvidia_cudnn_frontend-*.whl: the build will stop"
+  fi
+fi
 say "nvcc $(nvcc --version 2>/dev/null | grep -oE 'release [0-9.]+' || echo 'NOT FOUND'), \
 cmake $(cmake --version 2>/dev/null | head -1 | grep -oE '[0-9.]+$'), $(nproc) cores, \
 TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, parts: ${parts[*]}"
 
 st_build="-" st_ctest="-" st_cpu="-" st_gpu="-" st_fuzz="-" st_ragged="-" st_doctor="-" st_bench="-" st_sweep="-" st_pytorch="-" build_s="-"
-st_host="-" st_sanitize="-" st_profile="-"
+st_host="-"
 
 ext_importable() {
   (cd /tmp && "$PY" -c 'import openwam_sdpa._C' >/dev/null 2>&1)
@@ -166,7 +169,7 @@ do_build() {
   fi
   say "build: $st_build"
 }
-if ((want_build)) || { ((want_cpu || want_gpu || want_fuzz || want_ragged || want_doctor || want_bench || want_sweep || want_pytorch || want_host || want_sanitize || want_profile)) && ! ext_importable; }; then
+if ((want_build)) || { ((want_cpu || want_gpu || want_fuzz || want_ragged || want_doctor || want_bench || want_sweep || want_pytorch || want_host)) && ! ext_importable; }; then
   do_build
 fi
 
@@ -290,40 +293,6 @@ if ((want_host)); then
   st_host=$REPLY
 fi
 
-# Only the repair kernel is instrumented (kns: a substring of its name): the
-# forward's cuDNN kernels run at full speed. A reported error exits 3.
-if ((want_sanitize)); then
-  bad=()
-  for tool in racecheck memcheck synccheck; do
-    script_part "sanitize $tool" 150 "$OUT/sanitize.txt" compute-sanitizer --tool "$tool" \
-      --kernel-name kns=repair_kernel --error-exitcode 3 "$PY" tools/repair_kernel_cases.py --cases small
-    [[ "$REPLY" == ok ]] || bad+=("$tool: $REPLY")
-  done
-  if ((${#bad[@]})); then st_sanitize="FAILED: ${bad[*]}"; else st_sanitize="ok (racecheck, memcheck, synccheck)"; fi
-fi
-# --clock-control none: the clocks stay as they are (device README, METHOD.md).
-if ((want_profile)); then
-  if ! command -v ncu >/dev/null; then  # Nsight Compute's own folder, where PATH lacks it
-    ncu_dir=$(compgen -G "/opt/nvidia/nsight-compute/*/ncu" | tail -1)
-    [[ -n "$ncu_dir" ]] && PATH=$PATH:$(dirname "$ncu_dir")
-  fi
-  script_part profile 240 "$OUT/ncu.txt" ncu --clock-control none --kernel-name regex:repair_kernel \
-    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-    --section WarpStateStats --section SchedulerStats --section LaunchStats --csv --page details \
-    "$PY" tools/repair_kernel_cases.py --cases bench
-  details=$REPLY
-  # Where the warps of one case stall, per SASS instruction (sampled).
-  script_part "profile source" 120 "$OUT/ncu_source.csv" ncu --clock-control none \
-    --kernel-name regex:repair_kernel --section WarpStateStats --section SourceCounters \
-    --csv --page source --print-source sass \
-    "$PY" tools/repair_kernel_cases.py --cases bench --match "${PROFILE_MATCH:-32x24x360x64 one_per_head}"
-  if [[ "$details" == ok && "$REPLY" == ok ]]; then
-    st_profile="ok (details, source)"
-  else
-    st_profile="FAILED: details $details, source $REPLY"
-  fi
-fi
-
 # ------------------------------------------------------------ benchmark
 if ((want_bench)); then
   if [[ -f benchmarks/bench_sdpa.py ]]; then
@@ -352,12 +321,11 @@ echo
 echo "==================== device_run summary ($((SECONDS - T0))s) ===================="
 printf '%-7s %s\n' build "$st_build" ctest "$st_ctest" cpu "$st_cpu" gpu "$st_gpu" fuzz "$st_fuzz" \
   ragged "$st_ragged" doctor "$st_doctor" \
-  sweep "$st_sweep" pytorch "$st_pytorch" bench "$st_bench" host "$st_host" \
-  sanitize "$st_sanitize" profile "$st_profile"
+  sweep "$st_sweep" pytorch "$st_pytorch" bench "$st_bench" host "$st_host"
 printf '%-7s %s\n' files "$nfiles under $OUT"
 fail=0
 for s in "$st_build" "$st_ctest" "$st_cpu" "$st_gpu" "$st_fuzz" "$st_ragged" "$st_doctor" "$st_sweep" "$st_pytorch" "$st_bench" \
-         "$st_host" "$st_sanitize" "$st_profile"; do
+         "$st_host"; do
   [[ "$s" == "-" || "$s" == ok* || "$s" == "no benchmarks"* ]] || fail=1
 done
 exit $fail

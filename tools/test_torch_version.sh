@@ -110,6 +110,12 @@ if ! "$VPY" -c 'import transformers' 2>/dev/null; then
   "$VPY" -m pip install transformers 2>&1 | quiet_pip >>"$LOGS/pip.log" ||
     say "WARNING: transformers did not install; its tests skip"
 fi
+# A CUDA torch builds the op's cuDNN graphs: the frontend's headers (setup.py's pin).
+if "$VPY" -c 'import sys, torch; sys.exit(not torch.version.cuda)' 2>/dev/null; then
+  frontend=$(grep -oE '^CUDNN_FRONTEND_VERSION = "[0-9.]+"' setup.py | grep -oE '[0-9.]+')
+  "$VPY" -m pip install --no-deps "nvidia-cudnn-frontend==$frontend" 2>&1 | quiet_pip >>"$LOGS/pip.log" ||
+    { say "FAILED: pip install nvidia-cudnn-frontend==$frontend (see $LOGS/pip.log)"; exit 1; }
+fi
 torch_desc=$("$VPY" -c '
 import torch
 print("torch", torch.__version__, "(CUDA %s)" % (torch.version.cuda or "none"))')

@@ -322,15 +322,19 @@ def measured(fn, device, *args, **kwargs):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.synchronize(device)
-    openwam_sdpa.repaired_rows(reset=True)
+    openwam_sdpa.frontend_stats(reset=True)
     start = time.perf_counter()
     result = fn(*args, **kwargs)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         result["peak_memory_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     result["seconds"] = time.perf_counter() - start
-    # dQ rows the GPU repair recomputed on this rank (0 on the CPU).
-    result["repaired_rows"] = openwam_sdpa.repaired_rows(reset=True)
+    # On this rank: backward calls that ran with cuDNN's padding mask (the
+    # fix), and calls that took ATen's cuDNN attention with padded inputs
+    # instead (a graph the frontend could not build); 0 on the CPU.
+    stats = openwam_sdpa.frontend_stats(reset=True)
+    result["padding_mask_backwards"] = stats["padding_mask_backwards"]
+    result["aten_fallback_calls"] = stats["aten_fallback_calls"]
     return result
 
 
@@ -577,9 +581,11 @@ def main() -> int:
         except Exception as exc:  # report it, and carry on with the other modes
             r = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
         per_rank = [None] * world
-        dist.all_gather_object(per_rank, (r.get("peak_memory_mib"), r.get("repaired_rows")))
-        r["peak_memory_mib_per_rank"] = [m for m, _ in per_rank if m is not None]
-        r["repaired_rows_per_rank"] = [n for _, n in per_rank if n is not None]
+        dist.all_gather_object(per_rank, (r.get("peak_memory_mib"), r.get("padding_mask_backwards"),
+                                          r.get("aten_fallback_calls")))
+        r["peak_memory_mib_per_rank"] = [m for m, _, _ in per_rank if m is not None]
+        r["padding_mask_backwards_per_rank"] = [n for _, n, _ in per_rank if n is not None]
+        r["aten_fallback_calls_per_rank"] = [n for _, _, n in per_rank if n is not None]
         results[name] = r
 
     ok = verdicts(results) if rank == 0 else True

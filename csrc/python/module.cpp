@@ -1,19 +1,24 @@
 // The Python extension openwam_sdpa._C: importing it loads the op library
 // (TORCH_LIBRARY registrations) and exposes what Python needs beyond the ops:
 // a fast entry into openwam::sdpa, the decision for explain(), the settings,
-// the repair telemetry, build facts for the version check and the guard table
-// for the doctor.
+// the cuDNN frontend's telemetry, build facts for the version check and the
+// guard table for the doctor.
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/extension.h>
 #include <torch/version.h>
 
+#ifdef OPENWAM_WITH_CUDNN_FRONTEND
+#include <cudnn_frontend_version.h>
+
+#include "../cudnn_frontend/sdpa_engine.h"
+#endif
+
 #include "../cudnn_attention.h"
 #include "../decision.h"
 #include "../guards.h"
 #include "../ops.h"
-#include "../repair_counter.h"
-#include "../repair_dq.h"
+#include "../cudnn_frontend/stats.h"
 #include "../sdpa_call.h"
 #include "../settings.h"
 
@@ -41,6 +46,7 @@ py::dict settings_dict(const openwam::Settings& s) {
   d["cudnn"] = openwam::to_string(s.cudnn);
   d["pad"] = openwam::to_string(s.pad);
   d["check_finite"] = s.check_finite;
+  d["frontend"] = s.frontend;
   return d;
 }
 
@@ -56,7 +62,47 @@ py::dict build_info() {
   info["cudnn_compiled"] = hooks.hasCuDNN() ? hooks.versionCuDNN() : 0L;
   info["cudnn_runtime"] = openwam::runtime_cudnn_version();
   info["newest_known_cudnn"] = openwam::kNewestKnownCudnn;
+#ifdef OPENWAM_WITH_CUDNN_FRONTEND
+  info["cudnn_frontend"] = std::to_string(CUDNN_FRONTEND_MAJOR_VERSION) + "." +
+                           std::to_string(CUDNN_FRONTEND_MINOR_VERSION) + "." +
+                           std::to_string(CUDNN_FRONTEND_PATCH_VERSION);
+#else
+  info["cudnn_frontend"] = py::none();
+#endif
   return info;
+}
+
+// Which cuDNN the cuDNN path runs: the op's own graphs where it was built
+// with the frontend, which fall back to ATen's cuDNN attention for a
+// configuration whose graph cannot be built (warned, and listed by
+// frontend_stats()).
+const char* engine_of(const openwam::Decision& d) {
+  if (d.route != openwam::Route::kCudnn) return "";
+#ifdef OPENWAM_WITH_CUDNN_FRONTEND
+  return openwam::current_settings().frontend ? "cudnn_frontend" : "aten_cudnn";
+#else
+  return "aten_cudnn";
+#endif
+}
+
+py::dict frontend_stats(bool reset) {
+  auto& s = openwam::frontend::stats();
+  py::dict d;
+  const auto read = [reset](std::atomic<int64_t>& counter) {
+    return reset ? counter.exchange(0) : counter.load();
+  };
+  d["forward_graphs_built"] = read(s.forward_graphs_built);
+  d["backward_graphs_built"] = read(s.backward_graphs_built);
+  d["graph_build_failures"] = read(s.graph_build_failures);
+  d["graph_cache_evictions"] = read(s.graph_cache_evictions);
+  d["aten_fallback_calls"] = read(s.aten_fallback_calls);
+  d["padding_mask_backwards"] = read(s.padding_mask_backwards);
+  py::list failures;
+#ifdef OPENWAM_WITH_CUDNN_FRONTEND
+  for (const auto& f : openwam::frontend::build_failures()) failures.append(f);
+#endif
+  d["failed_configurations"] = failures;
+  return d;
 }
 
 py::dict explain(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -72,6 +118,7 @@ py::dict explain(const at::Tensor& query, const at::Tensor& key, const at::Tenso
   out["backend"] = d.route == openwam::Route::kCudnn ? "cudnn" : "pytorch";
   out["pytorch_choice"] = d.pytorch_choice;
   out["plan"] = d.plan.to_string();
+  out["engine"] = engine_of(d);
   out["rule"] = d.rule == nullptr ? "" : d.rule->name;
   out["reason"] = d.reason;
   out["differentiated"] = call.differentiated();
@@ -142,8 +189,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The settings in force (read from the environment once, cached).");
   m.def("reload_settings", [] { return settings_dict(openwam::reload_settings()); },
         "Re-read the OPENWAM_SDPA_* environment variables.");
-  m.def("repaired_rows", &openwam::read_repaired_rows, py::arg("reset") = false,
-        "dQ rows the GPU repaired since the last reset (synchronises).");
-  // The tests, benchmarks and probes read it here instead of repeating -40.
-  m.attr("REPAIR_LSE_THRESHOLD") = openwam::kRepairLseThreshold;
+  m.def("frontend_stats", &frontend_stats, py::arg("reset") = false,
+        "Counters of the cuDNN frontend path (host only: never synchronises).");
+  m.def("clear_graph_cache", [] {
+#ifdef OPENWAM_WITH_CUDNN_FRONTEND
+    openwam::frontend::clear_graph_cache();
+#endif
+  }, "Drop every cached cuDNN graph (the next call of each shape builds anew).");
 }

@@ -7,8 +7,8 @@ torch.nn.functional.scaled_dot_product_attention. See README.md.
 from . import adversarial
 from ._extension import _C  # noqa: F401  (loads and registers the ops)
 from . import distributed  # noqa: F401  (DTensor sharding rules of the cuDNN path's leaf ops)
-from .ops import (REPAIR_LSE_THRESHOLD, build_info, explain, guard_rules, key_tail_defect,
-                  pad_keys, reload_settings, repaired_rows, sdpa, settings)
+from .ops import (build_info, clear_graph_cache, explain, frontend_stats, guard_rules,
+                  key_tail_defect, pad_keys, reload_settings, sdpa, settings)
 from .patching import is_patched, patch, patched, unpatch
 from .transformers_integration import register_when_imported as _register_transformers
 from .varlen import explain_varlen, varlen_sdpa, varlen_settings
@@ -24,8 +24,8 @@ __all__ = [
     "explain",
     "settings",
     "reload_settings",
-    "repaired_rows",
-    "REPAIR_LSE_THRESHOLD",
+    "frontend_stats",
+    "clear_graph_cache",
     "build_info",
     "guard_rules",
     "key_tail_defect",

@@ -8,7 +8,7 @@ Beyond that, only torch 2.11-2.15 is supported: the releases built and tested,
 whose ATen cuDNN attention ops (`_scaled_dot_product_cudnn_attention` and its
 backward, called directly) and `_fused_sdp_choice` have the schema the C++ code
 is written for. Their CUDA wheels pin cuDNN 9.19-9.24 (2.11-2.14: the key-tail
-defect this package repairs) and 9.26.0 (2.15: that defect fixed upstream; the
+defect this package fixes) and 9.26.0 (2.15: that defect fixed upstream; the
 single-query-row defects cudnn-frontend #1071 and #1072 are reported on it and
 stay guarded). Older releases were never checked: refused. A newer one was
 never built: allowed, with a warning, so that a torch upgrade does not break a

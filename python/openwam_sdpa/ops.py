@@ -182,17 +182,21 @@ def reload_settings() -> dict:
     return _C.reload_settings()
 
 
-#: Query rows whose logsumexp is finite and below this are the rows the dQ
-#: repair recomputes (and repaired_rows() counts).
-REPAIR_LSE_THRESHOLD: float = _C.REPAIR_LSE_THRESHOLD
+def frontend_stats(reset: bool = False) -> dict:
+    """Counters of the op's cuDNN graphs: graphs built (forward, backward),
+    configurations that could not be built (each such call runs on ATen's
+    cuDNN attention with padded inputs, and the list says which), graphs
+    evicted from the cache, calls that took that fallback, and backward calls
+    that ran with cuDNN's padding mask (the fix). Host counters: reading them
+    never synchronises; a CUDA graph replay counts nothing. reset=True zeroes
+    them (not the list)."""
+    return _C.frontend_stats(reset)
 
 
-def repaired_rows(reset: bool = False) -> int:
-    """How many dQ rows the GPU recomputed (the key-tail defect fired there)
-    since the process started or the last reset=True: rows whose logsumexp
-    is finite and below REPAIR_LSE_THRESHOLD. Synchronises with the GPU; call
-    it at step boundaries, e.g. for logging. 0 without CUDA."""
-    return _C.repaired_rows(reset)
+def clear_graph_cache() -> None:
+    """Drop every cached cuDNN graph: the next call of each configuration
+    builds its graphs again (for measuring the first call of a shape)."""
+    _C.clear_graph_cache()
 
 
 def build_info() -> dict:

@@ -41,14 +41,18 @@ class ScopedEnv {
 constexpr const char* kCudnnVar = "OPENWAM_SDPA_CUDNN";
 constexpr const char* kPadVar = "OPENWAM_SDPA_PAD";
 constexpr const char* kCheckFiniteVar = "OPENWAM_SDPA_CHECK_FINITE";
+constexpr const char* kFrontendVar = "OPENWAM_SDPA_FRONTEND";
 
-// All three variables pinned (nullptr: unset) and the cache reloaded, for
+// All four variables pinned (nullptr: unset) and the cache reloaded, for
 // the duration of a scope; on exit the old environment and its settings.
 class ScopedSettings {
  public:
   explicit ScopedSettings(const char* cudnn = nullptr, const char* pad = nullptr,
-                          const char* check_finite = nullptr)
-      : cudnn_(kCudnnVar, cudnn), pad_(kPadVar, pad), check_(kCheckFiniteVar, check_finite) {
+                          const char* check_finite = nullptr, const char* frontend = nullptr)
+      : cudnn_(kCudnnVar, cudnn),
+        pad_(kPadVar, pad),
+        check_(kCheckFiniteVar, check_finite),
+        frontend_(kFrontendVar, frontend) {
     openwam::reload_settings();
   }
   ScopedSettings(const ScopedSettings&) = delete;
@@ -66,7 +70,7 @@ class ScopedSettings {
       }
     }
   } reload_on_exit_;
-  ScopedEnv cudnn_, pad_, check_;
+  ScopedEnv cudnn_, pad_, check_, frontend_;
 };
 
 }  // namespace openwam_test

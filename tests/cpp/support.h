@@ -31,17 +31,9 @@ const auto kF16 = at::TensorOptions().dtype(at::kHalf);
 
 using PadKeysSchema = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t);
-using RepairDqSchema = void(at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, const std::optional<at::Tensor>&, bool,
-                            double);
 
 inline const c10::TypedOperatorHandle<PadKeysSchema>& pad_keys_op() {
   static const auto op = openwam::ops::lookup<PadKeysSchema>("openwam::pad_keys");
-  return op;
-}
-inline const c10::TypedOperatorHandle<RepairDqSchema>& repair_dq_op() {
-  static const auto op = openwam::ops::lookup<RepairDqSchema>("openwam::_repair_dq_");
   return op;
 }
 
@@ -73,8 +65,8 @@ Inputs bshd(int64_t B, int64_t H, int64_t s_q, int64_t s_kv, int64_t D,
             at::TensorOptions options = kBF16, bool requires_grad = true);
 
 // Makes the first query row of every (batch, head) attend with a logsumexp
-// near -55 (far below the repair threshold of -40, far above -inf): it is
-// anti-aligned with a large component all keys share. Keys keep their
+// near -55 (very negative, yet far above -inf): it is anti-aligned with a
+// large component all keys share. Keys keep their
 // random content elsewhere. D >= 2; default scale 1/sqrt(D).
 void make_first_row_low(Inputs& in);
 

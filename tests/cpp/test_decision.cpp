@@ -97,7 +97,7 @@ TEST_CASE("decide: following PyTorch, it picks cuDNN: the guarded cuDNN path",
   CHECK(stack.calls == 1);
   CHECK(std::string(d.pytorch_choice) == "cudnn_attention");
   CHECK(std::string(d.reason) == "PyTorch picks cuDNN");
-  CHECK(d.plan.to_string() == "repair_dq");
+  CHECK(d.plan.to_string() == "padding_mask+pad_keys_backward");
   CHECK(rule_of(d) == "key_tail_nan_dq_9.19");
 }
 
@@ -139,7 +139,7 @@ TEST_CASE("decide: OPENWAM_SDPA_CUDNN=1 takes cuDNN without asking PyTorch",
     CHECK(stack.calls == 0);
     CHECK_THAT(std::string(d.pytorch_choice), StartsWith("not asked"));
     CHECK(std::string(d.reason) == "OPENWAM_SDPA_CUDNN=1 and cuDNN can serve");
-    CHECK(d.plan.to_string() == "repair_dq");
+    CHECK(d.plan.to_string() == "padding_mask+pad_keys_backward");
     CHECK(rule_of(d) == "key_tail_nan_dq_9.19");
   }
 }
@@ -356,7 +356,7 @@ TEST_CASE("decide: a differentiated call needs only one input requiring grad",
   Inputs in = bhsd(2, 4, 8, 320, 64, openwam_test::kBF16, false);
   in.value.requires_grad_(true);
   PosedStack stack;
-  CHECK(stack.decide(in, kFollow).plan.to_string() == "repair_dq");
+  CHECK(stack.decide(in, kFollow).plan.to_string() == "padding_mask+pad_keys_backward");
 }
 
 TEST_CASE("decide: a guard rule keeps the call off cuDNN, in every pad mode",
@@ -405,20 +405,22 @@ TEST_CASE("decide: OPENWAM_SDPA_PAD=auto takes the guard table's plan", "[decisi
   Inputs causal = bhsd(2, 4, 8, 320, 64);
   causal.is_causal = true;
   const Case cases[] = {
-      {bhsd(2, 4, 8, 320, 64), k9_19_0, "repair_dq", "key_tail_nan_dq_9.19"},
-      {dropout, k9_19_0, "pad_keys_forward", "key_tail_nan_dq_9.19"},
+      {bhsd(2, 4, 8, 320, 64), k9_19_0, "padding_mask+pad_keys_backward",
+       "key_tail_nan_dq_9.19"},
+      {dropout, k9_19_0, "padding_mask+pad_keys_forward", "key_tail_nan_dq_9.19"},
       {causal, k9_19_0, "none", "<none>"},                     // measured clean
       {bhsd(2, 4, 8, 300, 64), k9_19_0, "none", "<none>"},     // r != 64
-      {bhsd(2, 4, 8, 300, 96), k9_19_0, "repair_dq", "key_tail_nan_dq"},
-      {bhsd(2, 4, 8, 300, 64), k9_25_1, "repair_dq", "key_tail_nan_dq"},
+      {bhsd(2, 4, 8, 300, 96), k9_19_0, "padding_mask+pad_keys_backward", "key_tail_nan_dq"},
+      {bhsd(2, 4, 8, 300, 64), k9_25_1, "padding_mask+pad_keys_backward", "key_tail_nan_dq"},
       {bhsd(2, 4, 8, 300, 64), k9_26_0, "none", "<none>"},     // fixed
-      {bhsd(1, 4, 1, 256, 64), k9_19_0, "pad_query_backward", "sq1_nan_dk_dv_9.19"},
-      {bhsd(1, 4, 1, 320, 64), k9_19_0, "repair_dq+pad_query_backward",
+      {bhsd(1, 4, 1, 256, 64), k9_19_0, "padding_mask+pad_query_backward",
+       "sq1_nan_dk_dv_9.19"},
+      {bhsd(1, 4, 1, 320, 64), k9_19_0, "padding_mask+pad_keys_backward+pad_query_backward",
        "key_tail_nan_dq_9.19"},
-      {bhsd(1, 4, 1, 300, 64), k9_26_0, "pad_query_backward", "sq1_nan_dk_dv"},
+      {bhsd(1, 4, 1, 300, 64), k9_26_0, "padding_mask+pad_query_backward", "sq1_nan_dk_dv"},
       {bhsd(1, 4, 1, 300, 64), kTooNew, "none", "<none>"},     // unknown: no rule
-      {bhsd(2, 8, 8, 320, 64, openwam_test::kBF16, true, 2), k9_19_0, "repair_dq",
-       "key_tail_nan_dq_9.19"},                                // GQA
+      {bhsd(2, 8, 8, 320, 64, openwam_test::kBF16, true, 2), k9_19_0,
+       "padding_mask+pad_keys_backward", "key_tail_nan_dq_9.19"},  // GQA
   };
   for (const Case& c : cases) {
     CAPTURE(c.in.query.sizes(), c.in.key.sizes(), c.in.dropout_p, c.in.is_causal,
@@ -434,7 +436,8 @@ TEST_CASE("decide: OPENWAM_SDPA_PAD=auto takes the guard table's plan", "[decisi
   }
 }
 
-TEST_CASE("decide: OPENWAM_SDPA_PAD=always pads every unaligned key length",
+TEST_CASE("decide: OPENWAM_SDPA_PAD=always: the padding mask on every backward, the "
+          "fallback's padded keys on every unaligned key length",
           "[decision]") {
   const Settings always = settings(CudnnPreference::kFollowPyTorch, PadMode::kAlways);
   Inputs dropout = bhsd(2, 4, 8, 300, 64);
@@ -446,17 +449,20 @@ TEST_CASE("decide: OPENWAM_SDPA_PAD=always pads every unaligned key length",
     const char* rule;
   };
   const Case cases[] = {
-      // Unaffected versions and shapes are padded too, with no rule to warn.
-      {bhsd(2, 4, 8, 300, 64), k9_19_0, "pad_keys_backward", "<none>"},
-      {bhsd(2, 4, 8, 300, 64), kTooNew, "pad_keys_backward", "<none>"},
-      {dropout, k9_26_0, "pad_keys_forward", "<none>"},
-      // The key-tail rows' repair gives way to padding; the rule still warns.
-      {bhsd(2, 4, 8, 320, 64), k9_19_0, "pad_keys_backward", "key_tail_nan_dq_9.19"},
-      // Nothing to pad at a multiple of 128.
-      {bhsd(2, 4, 8, 256, 64), k9_19_0, "none", "<none>"},
+      // Unaffected versions and shapes take the fix too, with no rule to warn.
+      {bhsd(2, 4, 8, 300, 64), k9_19_0, "padding_mask+pad_keys_backward", "<none>"},
+      {bhsd(2, 4, 8, 300, 64), kTooNew, "padding_mask+pad_keys_backward", "<none>"},
+      {dropout, k9_26_0, "padding_mask+pad_keys_forward", "<none>"},
+      // A key-tail row's plan is the same; the rule still warns.
+      {bhsd(2, 4, 8, 320, 64), k9_19_0, "padding_mask+pad_keys_backward",
+       "key_tail_nan_dq_9.19"},
+      // A multiple of 128: the padding mask, no keys for the fallback to pad.
+      {bhsd(2, 4, 8, 256, 64), k9_19_0, "padding_mask", "<none>"},
+      {bhsd(2, 4, 8, 256, 64), kTooNew, "padding_mask", "<none>"},
       // The single-row fix is kept.
-      {bhsd(1, 4, 1, 256, 64), k9_19_0, "pad_query_backward", "sq1_nan_dk_dv_9.19"},
-      {bhsd(1, 4, 1, 300, 64), k9_19_0, "pad_keys_backward+pad_query_backward",
+      {bhsd(1, 4, 1, 256, 64), k9_19_0, "padding_mask+pad_query_backward",
+       "sq1_nan_dk_dv_9.19"},
+      {bhsd(1, 4, 1, 300, 64), k9_19_0, "padding_mask+pad_keys_backward+pad_query_backward",
        "sq1_nan_dk_dv_9.19"},
   };
   for (const Case& c : cases) {

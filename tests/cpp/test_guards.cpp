@@ -118,9 +118,13 @@ TEST_CASE("guard_rules: a row with nothing measured says so", "[guards]") {
   for (const GuardRule& r : openwam::guard_rules()) {
     CAPTURE(r.name, r.source);
     if (r.measured.empty()) {
-      CHECK_THAT(r.source, Catch::Matchers::Contains("not measured by this project"));
+      CHECK_THAT(r.source, Catch::Matchers::Contains("conservative"));
+      CHECK_THAT(r.source, !Catch::Matchers::Contains("measured by this project on"));
     } else {
-      CHECK_THAT(r.source, Catch::Matchers::Contains("measured by this project on"));
+      // The stack it was measured on, in words.
+      CHECK_THAT(r.source, Catch::Matchers::Contains("measured by this project on an H200") &&
+                               Catch::Matchers::Contains("cuDNN 9.19.0"));
+      CHECK_THAT(r.source, !Catch::Matchers::Contains("conservative"));
     }
   }
 }
@@ -149,13 +153,13 @@ TEST_CASE("torch 2.15's cuDNN 9.26.0: the rows that apply, all conservative",
   // The key-tail rows end before it, and the one that ends there says why.
   CHECK_THAT(rule("key_tail_nan_dq").source,
              Catch::Matchers::Contains("fixed in cuDNN 9.26") &&
-                 Catch::Matchers::Contains("not measured by this project"));
+                 Catch::Matchers::Contains("reported upstream"));
   // What the op does there: the single-row calls are still guarded, a key
   // tail alone is not.
   CHECK(name_of(openwam::check_guards(shape(1, 1, 1, 300, 64), pinned).avoid) ==
         "bhsq1_backward_plan_segfault");
   CHECK(openwam::check_guards(shape(1, 4, 1, 320, 64), pinned).plan.to_string() ==
-        "pad_query_backward");
+        "padding_mask+pad_query_backward");
   CHECK(openwam::check_guards(shape(2, 4, 8, 320, 64), pinned).plan.none());
   CHECK(openwam::check_guards(shape(2, 4, 8, 300, 96, true, 0.25), pinned).plan.none());
 }
@@ -248,7 +252,7 @@ TEST_CASE("rule key_tail_nan_dq: conservative, before 9.26.0", "[guards]") {
 TEST_CASE("rule sq1_nan_dk_dv_9.19: measured, batch 1 and one query row, not causal",
           "[guards]") {
   const GuardRule& r = rule("sq1_nan_dk_dv_9.19");
-  CHECK(r.fix == Fix::kPadQuery);
+  CHECK(r.fix == Fix::kSingleQueryRow);
   CHECK(r.measured.contains(k9_19_0));
   CHECK(r.versions.contains(k9_19_0));
   CHECK_FALSE(r.versions.contains(k9_19_0 + 1));
@@ -271,7 +275,7 @@ TEST_CASE("rule sq1_nan_dk_dv_9.19: measured, batch 1 and one query row, not cau
 TEST_CASE("rule sq1_nan_dk_dv: conservative elsewhere, up to the newest known",
           "[guards]") {
   const GuardRule& r = rule("sq1_nan_dk_dv");
-  CHECK(r.fix == Fix::kPadQuery);
+  CHECK(r.fix == Fix::kSingleQueryRow);
   CHECK(r.measured.empty());
   for (long v : {0L, k9_7_1, k9_25_1, k9_26_0, kNewestKnownCudnn}) {
     CAPTURE(v);
@@ -297,7 +301,7 @@ TEST_CASE("check_guards: no rule for an ordinary call", "[guards]") {
   }
 }
 
-TEST_CASE("check_guards: the key-tail rows repair dQ, with dropout pad the keys",
+TEST_CASE("check_guards: the key-tail rows take the padding mask, the fallback pads the keys",
           "[guards]") {
   struct Case {
     long version;
@@ -316,49 +320,52 @@ TEST_CASE("check_guards: the key-tail rows repair dQ, with dropout pad the keys"
   for (const Case& c : cases) {
     CAPTURE(c.version, c.s_kv, c.head_dim, c.is_causal);
     auto verdict = openwam::check_guards(shape(2, 4, 8, c.s_kv, c.head_dim, c.is_causal), c.version);
-    CHECK(verdict.plan.to_string() == "repair_dq");
+    CHECK(verdict.plan.to_string() == "padding_mask+pad_keys_backward");
     CHECK(verdict.avoid == nullptr);
     CHECK(name_of(verdict.first_hit) == c.rule);
 
+    // With dropout the fallback pads the keys in the forward too: the
+    // backward must see the key length the forward's dropout was drawn for.
     verdict = openwam::check_guards(
         shape(2, 4, 8, c.s_kv, c.head_dim, c.is_causal, 0.25), c.version);
-    CHECK(verdict.plan.to_string() == "pad_keys_forward");
+    CHECK(verdict.plan.to_string() == "padding_mask+pad_keys_forward");
     CHECK(name_of(verdict.first_hit) == c.rule);
   }
 }
 
-TEST_CASE("check_guards: a value head_dim of its own pads the keys instead", "[guards]") {
-  // The repair kernel takes one head_dim for query and value.
+TEST_CASE("check_guards: a value head_dim of its own takes the same plan", "[guards]") {
+  // The padding mask and the K/V shim take any value head_dim: the plan
+  // depends on the query's head_dim (which row measured it) only.
   CallShape s = shape(2, 4, 8, 320, 64);
   s.head_dim_v = 128;
   auto verdict = openwam::check_guards(s, k9_19_0);
-  CHECK(verdict.plan.to_string() == "pad_keys_backward");
+  CHECK(verdict.plan.to_string() == "padding_mask+pad_keys_backward");
   CHECK(name_of(verdict.first_hit) == "key_tail_nan_dq_9.19");
   s.dropout_p = 0.25;
-  CHECK(openwam::check_guards(s, k9_19_0).plan.to_string() == "pad_keys_forward");
+  CHECK(openwam::check_guards(s, k9_19_0).plan.to_string() == "padding_mask+pad_keys_forward");
 }
 
 TEST_CASE("check_guards: key tail and one query row fold into one plan", "[guards]") {
   // Batch 1, one query row, s_kv % 128 == 64 on 9.19.0: both defects.
   auto verdict = openwam::check_guards(shape(1, 2, 1, 320, 64), k9_19_0);
-  CHECK(verdict.plan.to_string() == "repair_dq+pad_query_backward");
+  CHECK(verdict.plan.to_string() == "padding_mask+pad_keys_backward+pad_query_backward");
   CHECK(verdict.avoid == nullptr);
   CHECK(name_of(verdict.first_hit) == "key_tail_nan_dq_9.19");
 
   // One head too, on 9.19.0 (before the segfault's versions): still both.
   verdict = openwam::check_guards(shape(1, 1, 1, 320, 64), k9_19_0);
-  CHECK(verdict.plan.to_string() == "repair_dq+pad_query_backward");
+  CHECK(verdict.plan.to_string() == "padding_mask+pad_keys_backward+pad_query_backward");
 
   // Only the single-row defect: an aligned key length.
   verdict = openwam::check_guards(shape(1, 2, 1, 256, 64), k9_19_0);
-  CHECK(verdict.plan.to_string() == "pad_query_backward");
+  CHECK(verdict.plan.to_string() == "padding_mask+pad_query_backward");
   CHECK(name_of(verdict.first_hit) == "sq1_nan_dk_dv_9.19");
   verdict = openwam::check_guards(shape(1, 2, 1, 256, 64), k9_25_1);
   CHECK(name_of(verdict.first_hit) == "sq1_nan_dk_dv");
 
   // With dropout the key tail pads the keys instead.
   verdict = openwam::check_guards(shape(1, 2, 1, 300, 64, false, 0.5), k9_7_1);
-  CHECK(verdict.plan.to_string() == "pad_keys_forward+pad_query_backward");
+  CHECK(verdict.plan.to_string() == "padding_mask+pad_keys_forward+pad_query_backward");
   CHECK(name_of(verdict.first_hit) == "key_tail_nan_dq");
 }
 
@@ -397,7 +404,7 @@ TEST_CASE("check_guards: the avoid rule wins and stops", "[guards]") {
   // Two heads: no segfault, both fixes.
   const auto two_heads = openwam::check_guards(shape(1, 2, 1, 300, 64), k9_25_1);
   CHECK(two_heads.avoid == nullptr);
-  CHECK(two_heads.plan.to_string() == "repair_dq+pad_query_backward");
+  CHECK(two_heads.plan.to_string() == "padding_mask+pad_keys_backward+pad_query_backward");
 }
 
 TEST_CASE("check_guards: a cuDNN newer than the table knows gets no rule", "[guards]") {
@@ -416,7 +423,7 @@ TEST_CASE("check_guards: a cuDNN newer than the table knows gets no rule", "[gua
   // The newest known version itself is still guarded.
   CHECK(openwam::check_guards(shape(1, 1, 1, 300, 64), kNewestKnownCudnn).avoid != nullptr);
   CHECK(openwam::check_guards(shape(1, 4, 1, 300, 64), kNewestKnownCudnn)
-            .plan.to_string() == "pad_query_backward");
+            .plan.to_string() == "padding_mask+pad_query_backward");
 }
 
 TEST_CASE("key_tail_defect on cuDNN 9.19.0, head_dim 64/128: only r == 64, not causal",

@@ -2,8 +2,8 @@
 // kernels run the plans around an fp32 reference attention
 // (csrc/cudnn_path_kernels.cpp). Every plan must give what the float64
 // reference gives; the Meta kernels must promise the layouts the CPU kernels
-// deliver; the autograd node must call the backward op; openwam::_repair_dq_
-// must recompute exactly the rows it is meant to.
+// deliver; the autograd node must call the backward op. The padding mask is
+// the frontend's (CUDA) fix: on the CPU it changes nothing, bit for bit.
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 
@@ -13,7 +13,6 @@
 #include <vector>
 
 #include "plan.h"
-#include "repair_dq.h"
 #include "support.h"
 #include "env.h"
 
@@ -110,6 +109,12 @@ std::vector<LeafCase> leaf_cases(at::TensorOptions options) {
     openwam_test::make_first_row_low(in);
     add("one query row, GQA, logsumexp near -55", in);
   }
+  // The one-row backward (single_row_backward) on a row that sees no key,
+  // and with a batch, which its products group by key/value head.
+  add("one query row, a hidden row", bhsd(1, 4, 1, 45, 16, options, false, 2),
+      additive(at::zeros({1, 1, 1, 45}, at::kBool), options));
+  add("one query row, batch 3, GQA 6/2", bhsd(3, 6, 1, 77, 16, options, false, 2),
+      at::randn({3, 6, 1, 77}, options));
   return cases;
 }
 
@@ -193,11 +198,13 @@ void check_against_reference(at::TensorOptions options, double tolerance) {
 TEST_CASE("the openwam schemas are registered", "[leaf_ops]") {
   auto& d = c10::Dispatcher::singleton();
   for (const char* name : {"openwam::sdpa", "openwam::_cudnn_sdpa",
-                           "openwam::_cudnn_sdpa_backward", "openwam::_repair_dq_",
-                           "openwam::pad_keys"}) {
+                           "openwam::_cudnn_sdpa_backward", "openwam::pad_keys"}) {
     CAPTURE(name);
     CHECK(d.findSchema({name, ""}).has_value());
   }
+  // The dQ repair's op is retired with its kernel (the padding mask fixes the
+  // defect at its source): a graph saved with it must fail to load, not run.
+  CHECK_FALSE(d.findSchema({"openwam::_repair_dq_", ""}).has_value());
   // pad_keys' multiple defaults to the cuDNN key tile.
   const auto& args = openwam_test::pad_keys_op().schema().arguments();
   REQUIRE(args.size() == 4);
@@ -209,7 +216,7 @@ TEST_CASE("the float64 reference agrees with ATen's math attention", "[leaf_ops]
   // The instrument the leaf ops are measured with, measured once itself, on
   // inputs where ATen's conventions and cuDNN's agree (every row sees a key).
   for (const LeafCase& c : leaf_cases(kF64)) {
-    if (c.name == "bool mask, a hidden row") {
+    if (c.name.find("a hidden row") != std::string::npos) {
       continue;
     }
     CAPTURE(c.name);
@@ -246,7 +253,6 @@ TEST_CASE("_cudnn_sdpa on the CPU: the plans do not change the results",
     const at::Tensor grad_out = at::randn(c.in.query.sizes(), kF32);
     const Forward f0 = forward(c, 0);
     const auto [dq0, dk0, dv0] = backward(c, grad_out, f0, 0);
-    const at::Tensor low = std::get<1>(f0) < openwam::kRepairLseThreshold;
     for (int64_t plan : plans_for(c)) {
       const Plan p = Plan::from_int(plan);
       CAPTURE(c.name, p.to_string());
@@ -260,47 +266,17 @@ TEST_CASE("_cudnn_sdpa on the CPU: the plans do not change the results",
         CHECK(max_abs_diff(std::get<1>(f), std::get<1>(f0)) <= 1e-5);
       }
       const auto [dq, dk, dv] = backward(c, grad_out, f, plan);
-      if (!p.pads_keys() && !p.pad_query_backward) {
-        // The repair rewrites the low rows of dQ only.
+      if (!p.pads_inputs()) {
+        // The padding mask is the frontend's: the reference engine runs the
+        // call as it is.
+        CHECK(dq.equal(dq0));
         CHECK(dk.equal(dk0));
         CHECK(dv.equal(dv0));
-        CHECK(dq.masked_select(low.logical_not()).equal(dq0.masked_select(low.logical_not())));
       }
       CHECK(rel_diff(dq, dq0) <= 2e-5);
       CHECK(rel_diff(dk, dk0) <= 2e-5);
       CHECK(rel_diff(dv, dv0) <= 2e-5);
     }
-  }
-}
-
-TEST_CASE("_cudnn_sdpa on the CPU: the repair plan rewrites the low dQ rows",
-          "[leaf_ops][numerics]") {
-  // float64 inputs: the engine's backward computes in fp32, the repair in
-  // float64, so every row the repair rewrote differs from the stock row.
-  for (bool masked : {false, true}) {
-    CAPTURE(masked);
-    LeafCase c{"", no_grad(bhsd(2, 2, 7, 45, 16, kF64, false)), at::Tensor()};
-    openwam_test::make_first_row_low(c.in);
-    if (masked) {
-      c.bias = at::randn({1, 1, 7, 45}, kF64);
-    }
-    const at::Tensor grad_out = at::randn(c.in.query.sizes(), kF64);
-    const Forward f = forward(c, 0);
-    const at::Tensor low = std::get<1>(f) < openwam::kRepairLseThreshold;  // [B, H, L, 1]
-    REQUIRE(low.sum().item<int64_t>() == 4);  // the first row of each (b, h)
-    REQUIRE(low.select(2, 0).all().item<bool>());
-
-    const at::Tensor dq_stock = std::get<0>(backward(c, grad_out, f, 0));
-    const at::Tensor dq = std::get<0>(backward(c, grad_out, f, /*repair_dq*/ 1));
-    const at::Tensor rows = at::ones_like(dq, at::kBool).logical_and(low);
-    CHECK(dq.masked_select(rows.logical_not()).equal(dq_stock.masked_select(rows.logical_not())));
-    CHECK(dq.masked_select(rows).ne(dq_stock.masked_select(rows)).all().item<bool>());
-    // What it wrote is what openwam::_repair_dq_ writes over the stock dQ.
-    at::Tensor repaired = dq_stock.clone();
-    openwam_test::repair_dq_op().call(repaired, grad_out, c.in.query, c.in.key, c.in.value,
-                                      std::get<0>(f), std::get<1>(f), opt(c.bias), false,
-                                      0.25);
-    CHECK(dq.equal(repaired));
   }
 }
 
@@ -336,7 +312,9 @@ TEST_CASE("_cudnn_sdpa: the Meta kernels give the CPU kernels' layouts", "[leaf_
 TEST_CASE("_cudnn_sdpa: the autograd node calls the backward op with the plan",
           "[leaf_ops]") {
   for (const LeafCase& c : leaf_cases(kF32)) {
-    for (int64_t plan : {int64_t{0}, int64_t{1}, int64_t{2}, c.one_row() ? int64_t{9} : int64_t{4}}) {
+    // None, the padding mask alone (OPENWAM_SDPA_PAD=always at s_kv % 128 == 0),
+    // the key-tail plan, and the single-row plan (or the key tail with dropout).
+    for (int64_t plan : {int64_t{0}, int64_t{1}, int64_t{3}, c.one_row() ? int64_t{9} : int64_t{5}}) {
       CAPTURE(c.name, Plan::from_int(plan).to_string());
       const at::Tensor q = c.in.query.clone().requires_grad_(true);
       const at::Tensor k = c.in.key.clone().requires_grad_(true);
@@ -429,97 +407,15 @@ TEST_CASE("_cudnn_sdpa: OPENWAM_SDPA_CHECK_FINITE=1 raises on a non-finite gradi
   grad_out[0][0][3][0] = std::nan("");
   {
     openwam_test::ScopedSettings checked(nullptr, nullptr, "1");
-    const std::string error = openwam_test::error_of([&] { backward(c, grad_out, f, 1); });
+    const std::string error = openwam_test::error_of([&] { backward(c, grad_out, f, 3); });
     CHECK_THAT(error, Contains("openwam::sdpa: non-finite gradient "
                                "(OPENWAM_SDPA_CHECK_FINITE=1)") &&
-                          Contains("plan repair_dq") && Contains("query [2, 2, 7, 16]"));
+                          Contains("plan padding_mask+pad_keys_backward") &&
+                          Contains("query [2, 2, 7, 16]"));
     // Finite gradients pass.
-    CHECK_NOTHROW(backward(c, at::randn_like(grad_out), f, 1));
+    CHECK_NOTHROW(backward(c, at::randn_like(grad_out), f, 3));
   }
   openwam_test::ScopedSettings unchecked(nullptr, nullptr, "0");
   const Backward b = backward(c, grad_out, f, 0);
   CHECK(std::get<0>(b).isnan().any().item<bool>());
-}
-
-TEST_CASE("_repair_dq_ on the CPU rewrites exactly the rows below -40", "[leaf_ops]") {
-  const int64_t B = 2, H = 2, L = 6, S = 45, D = 16;
-  // Row 1: every key at -60 (logsumexp about -56): repaired. Row 2: at -20:
-  // left alone. Row 3: every key hidden (-inf): zeroed. Row 4: some keys
-  // hidden, the others at -60: repaired. Rows 0, 5: ordinary.
-  const auto bias_rows = [&](at::TensorOptions options) {
-    at::Tensor bias = at::zeros({B, 1, L, S}, kF64);
-    bias.select(2, 1).fill_(-60.0);
-    bias.select(2, 2).fill_(-20.0);
-    bias.select(2, 3).fill_(-kInf);
-    bias.select(2, 4).fill_(-60.0);
-    bias.select(2, 4).narrow(-1, 0, 20).fill_(-kInf);
-    return bias.to(options);
-  };
-  struct Case {
-    const char* name;
-    Inputs in;
-    bool lse_3d;
-  };
-  Inputs causal = bhsd(B, H, L, S, D, kF32, false);
-  causal.is_causal = true;
-  const Case cases[] = {
-      {"fp32", bhsd(B, H, L, S, D, kF32, false), false},
-      {"bf16", bhsd(B, H, L, S, D, kBF16, false), false},
-      {"GQA", bhsd(B, 2 * H, L, S, D, kF32, false, H), false},
-      {"BSHD", bshd(B, H, L, S, D, kF32, false), false},
-      {"causal", causal, false},
-      {"logsumexp [B, H, L]", bhsd(B, H, L, S, D, kF32, false), true},
-  };
-  for (const Case& c : cases) {
-    CAPTURE(c.name);
-    const Inputs& in = c.in;
-    const at::Tensor bias = bias_rows(in.query.options());
-    const double scale = 0.3;
-    const at::Tensor grad_out = at::randn(in.query.sizes(), in.query.options());
-    const auto ref = reference_attention(in.query, in.key, in.value, bias, in.is_causal,
-                                         scale, grad_out);
-    const at::Tensor out = ref.out.to(in.query.scalar_type());
-    at::Tensor lse = ref.logsumexp.to(at::kFloat);
-    if (!c.lse_3d) {
-      lse = lse.unsqueeze(-1);
-    }
-    const at::Tensor low = ref.logsumexp < -40.0;  // [B, H, L]
-    const at::Tensor hidden = ref.logsumexp.isneginf();
-    REQUIRE(low.select(2, 1).all().item<bool>());
-    REQUIRE(low.select(2, 3).all().item<bool>());
-    REQUIRE(low.select(2, 4).all().item<bool>());
-    REQUIRE(low.sum().item<int64_t>() == 3 * in.query.size(0) * in.query.size(1));
-
-    const double sentinel = 1234.5;
-    at::Tensor dq = at::full_like(in.query, sentinel);
-    openwam_test::repair_dq_op().call(dq, grad_out, in.query, in.key, in.value, out, lse,
-                                      bias, in.is_causal, scale);
-    CHECK(same_layout(dq, in.query));
-    const at::Tensor rows = low.unsqueeze(-1).expand(dq.sizes());
-    const at::Tensor zeroed = hidden.unsqueeze(-1).expand(dq.sizes());
-    const at::Tensor repaired = rows.logical_and(zeroed.logical_not());
-    // Untouched rows keep what was there, bit for bit.
-    CHECK(dq.masked_select(rows.logical_not()).eq(sentinel).all().item<bool>());
-    CHECK(dq.masked_select(zeroed).eq(0).all().item<bool>());
-    const double tolerance = in.query.scalar_type() == at::kBFloat16 ? 2e-2 : 1e-5;
-    CHECK(rel_diff(dq.masked_select(repaired), ref.dq.masked_select(repaired)) <= tolerance);
-  }
-}
-
-TEST_CASE("_repair_dq_: Meta kernel and errors", "[leaf_ops]") {
-  const Inputs in = no_grad(bhsd(2, 2, 6, 45, 16, kF32, false));
-  const auto ref = reference_attention(in.query, in.key, in.value, at::Tensor(), false,
-                                       std::nullopt);
-  const at::Tensor lse = ref.logsumexp.to(at::kFloat).unsqueeze(-1);
-  at::Tensor meta_dq = as_meta(in.query);
-  CHECK_NOTHROW(openwam_test::repair_dq_op().call(
-      meta_dq, as_meta(in.query), as_meta(in.query), as_meta(in.key), as_meta(in.value),
-      as_meta(in.query), as_meta(lse), std::nullopt, false, 0.25));
-  at::Tensor wrong = at::zeros({2, 2, 5, 16}, kF32);
-  CHECK_THAT(openwam_test::error_of([&] {
-               openwam_test::repair_dq_op().call(wrong, in.query, in.query, in.key,
-                                                 in.value, ref.out.to(at::kFloat), lse,
-                                                 std::nullopt, false, 0.25);
-             }),
-             Contains("openwam::_repair_dq_: grad_query must have query's shape"));
 }

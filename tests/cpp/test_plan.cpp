@@ -13,9 +13,9 @@ using openwam::Plan;
 
 namespace {
 
-Plan make(bool repair, bool pad_bwd, bool pad_fwd, bool pad_query) {
+Plan make(bool mask, bool pad_bwd, bool pad_fwd, bool pad_query) {
   Plan p;
-  p.repair_dq = repair;
+  p.padding_mask = mask;
   p.pad_keys_backward = pad_bwd;
   p.pad_keys_forward = pad_fwd;
   p.pad_query_backward = pad_query;
@@ -28,6 +28,7 @@ TEST_CASE("plan: the default plan is none", "[plan]") {
   const Plan p;
   CHECK(p.none());
   CHECK_FALSE(p.pads_keys());
+  CHECK_FALSE(p.pads_inputs());
   CHECK(p.to_int() == 0);
   CHECK(p.to_string() == "none");
 }
@@ -46,12 +47,14 @@ TEST_CASE("plan: to_int / from_int round trip every combination", "[plan]") {
     CAPTURE(bits);
     const Plan p = Plan::from_int(bits);
     CHECK(p.to_int() == bits);
-    CHECK(p.repair_dq == ((bits & 1) != 0));
+    CHECK(p.padding_mask == ((bits & 1) != 0));
     CHECK(p.pad_keys_backward == ((bits & 2) != 0));
     CHECK(p.pad_keys_forward == ((bits & 4) != 0));
     CHECK(p.pad_query_backward == ((bits & 8) != 0));
     CHECK(p.none() == (bits == 0));
     CHECK(p.pads_keys() == ((bits & 6) != 0));
+    // The padding mask is the frontend's fix; the ATen fallback pads inputs.
+    CHECK(p.pads_inputs() == ((bits & 14) != 0));
     CHECK(Plan::from_int(p.to_int()) == p);
     for (int64_t other = 0; other < 16; ++other) {
       CHECK((Plan::from_int(other) == p) == (other == bits));
@@ -73,12 +76,13 @@ TEST_CASE("plan: from_int rejects bits outside the flags", "[plan]") {
 }
 
 TEST_CASE("plan: to_string joins the flags in a fixed order", "[plan]") {
-  CHECK(make(true, false, false, false).to_string() == "repair_dq");
+  CHECK(make(true, false, false, false).to_string() == "padding_mask");
   CHECK(make(false, true, false, false).to_string() == "pad_keys_backward");
   CHECK(make(false, false, true, false).to_string() == "pad_keys_forward");
   CHECK(make(false, false, false, true).to_string() == "pad_query_backward");
-  CHECK(make(true, false, false, true).to_string() == "repair_dq+pad_query_backward");
+  CHECK(make(true, false, false, true).to_string() == "padding_mask+pad_query_backward");
+  CHECK(make(true, true, false, false).to_string() == "padding_mask+pad_keys_backward");
   CHECK(make(false, false, true, true).to_string() == "pad_keys_forward+pad_query_backward");
   CHECK(make(true, true, true, true).to_string() ==
-        "repair_dq+pad_keys_backward+pad_keys_forward+pad_query_backward");
+        "padding_mask+pad_keys_backward+pad_keys_forward+pad_query_backward");
 }

@@ -14,6 +14,7 @@ using openwam::PadMode;
 using openwam::Settings;
 using openwam_test::kCheckFiniteVar;
 using openwam_test::kCudnnVar;
+using openwam_test::kFrontendVar;
 using openwam_test::kPadVar;
 using openwam_test::ScopedEnv;
 using openwam_test::ScopedSettings;
@@ -25,6 +26,7 @@ struct CleanEnv {
   ScopedEnv cudnn{kCudnnVar, nullptr};
   ScopedEnv pad{kPadVar, nullptr};
   ScopedEnv check{kCheckFiniteVar, nullptr};
+  ScopedEnv frontend{kFrontendVar, nullptr};
 };
 
 std::string parse_error() {
@@ -39,6 +41,7 @@ TEST_CASE("settings: defaults with nothing set", "[settings]") {
   CHECK(s.cudnn == CudnnPreference::kFollowPyTorch);
   CHECK(s.pad == PadMode::kAuto);
   CHECK_FALSE(s.check_finite);
+  CHECK(s.frontend);
 }
 
 TEST_CASE("settings: empty values mean unset", "[settings]") {
@@ -106,6 +109,24 @@ TEST_CASE("settings: OPENWAM_SDPA_CHECK_FINITE values", "[settings]") {
   }
 }
 
+TEST_CASE("settings: OPENWAM_SDPA_FRONTEND values", "[settings]") {
+  CleanEnv clean;
+  ScopedEnv e(kFrontendVar, "0");
+  CHECK_FALSE(openwam::settings_from_environment().frontend);
+  e.set("1");
+  CHECK(openwam::settings_from_environment().frontend);
+  e.set("");
+  CHECK(openwam::settings_from_environment().frontend);
+  for (const char* bad : {"yes", "2", "off", "false", "00"}) {
+    CAPTURE(bad);
+    e.set(bad);
+    CHECK_THROWS_AS(openwam::settings_from_environment(), c10::Error);
+    CHECK(parse_error() == std::string("openwam::sdpa: environment variable "
+                                       "OPENWAM_SDPA_FRONTEND must be unset, '0' or "
+                                       "'1', got '") + bad + "'");
+  }
+}
+
 TEST_CASE("settings: the variables are independent", "[settings]") {
   CleanEnv clean;
   const char* cudnn_values[] = {nullptr, "1", "0"};
@@ -168,13 +189,16 @@ TEST_CASE("settings: every packed combination survives the cache", "[settings]")
   for (const char* c : {"", "1", "0"}) {
     for (const char* p : {"auto", "always", "never"}) {
       for (const char* f : {"0", "1"}) {
-        CAPTURE(c, p, f);
-        ScopedSettings pinned(c, p, f);
-        const Settings parsed = openwam::settings_from_environment();
-        const Settings cached = openwam::current_settings();
-        CHECK(cached.cudnn == parsed.cudnn);
-        CHECK(cached.pad == parsed.pad);
-        CHECK(cached.check_finite == parsed.check_finite);
+        for (const char* fe : {"0", "1"}) {
+          CAPTURE(c, p, f, fe);
+          ScopedSettings pinned(c, p, f, fe);
+          const Settings parsed = openwam::settings_from_environment();
+          const Settings cached = openwam::current_settings();
+          CHECK(cached.cudnn == parsed.cudnn);
+          CHECK(cached.pad == parsed.pad);
+          CHECK(cached.check_finite == parsed.check_finite);
+          CHECK(cached.frontend == parsed.frontend);
+        }
       }
     }
   }

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from support import Attn, adversarial_qkv, make_mask, max_err, qkv, randn, run, twice_stock_problem
-# Re-exported: tests/gpu/test_repair_dq_gpu.py imports them from here.
+# Re-exported: the GPU test modules import them from here.
 from support import floor_for, reference  # noqa: F401
 
 try:  # torch >= 2.3
@@ -253,7 +253,7 @@ def row_rel_err(x: torch.Tensor, ref: torch.Tensor, rows) -> float:
     return float(row_rel_errs(x, ref)[..., list(rows)].max())
 
 
-# A repaired (adversarial) dQ row against the float64 reference, relative
+# An adversarial dQ row against the float64 reference, relative
 # 2-norm error. Every half-precision backward, stock's included, computes
 # D_i = dO_i . o_i from the bf16 output, and the keys' shared 30 * u component
 # does not cancel that rounding out of dQ_i = scale * sum_j P_ij (dP_ij - D_i)
@@ -261,7 +261,7 @@ def row_rel_err(x: torch.Tensor, ref: torch.Tensor, rows) -> float:
 # inputs, an fp32 recompute of the adversarial row 2-9%, and 80% where a
 # causal row sees ten keys. So the bound is relative to stock's own error on
 # the same rows (stock cuDNN on key-padded inputs, which is finite there):
-# twice it plus 1e-2. A wrong or missing repair is O(1) or NaN.
+# twice it plus 1e-2. A wrong or missing fix is O(1) or NaN.
 LOW_ROW_FLOOR = 1e-2
 
 

@@ -1,7 +1,7 @@
 """A forward+backward through openwam_sdpa captured in a CUDA graph replays
 correctly: the fix (auto plan, affected s_kv = 704, adversarial rows) makes
 no host synchronisation and no data-dependent host decision, so the captured
-graph repairs whatever data it is replayed on.
+graph fixes whatever data it is replayed on.
 
 Capture follows PyTorch's "whole network capture" recipe: warm up on a side
 stream, set grads to None, capture forward and backward.

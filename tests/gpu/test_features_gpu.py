@@ -112,7 +112,7 @@ def test_dropout_on_adversarial_inputs_has_finite_gradients(p, ow, settings, sui
     go = cuda_randn(*q.shape, seed=9)
     info = ow.explain(q, k, v, attn_mask=mask, dropout_p=p)
     if info["backend"] == "cudnn" and stock_defect_measured(s_kv, D):
-        assert info["plan"] == "pad_keys_forward", info
+        assert info["plan"] == "padding_mask+pad_keys_forward", info
     ours = run(ow.sdpa, q, k, v, go, attn_mask=mask, dropout_p=p)
     stock = stock_cudnn(q, k, v, go, attn_mask=mask, dropout_p=p)
     suite_results.put(
@@ -201,8 +201,8 @@ def test_half_precision_dtypes(dtype, ow, settings):
 def test_fully_masked_row_gives_zero_output_and_gradient(cudnn, backend, mask_kind, ow, settings):
     """A query row whose mask hides every key: output 0 and dQ 0, whichever
     backend runs. (Stock cuDNN turns a bool mask into -65504 and lets such a
-    row attend to every key.) s_kv = 192: the auto plan's dQ repair sees the
-    row's logsumexp of -inf and must leave zeros there, not NaN."""
+    row attend to every key.) s_kv = 192: the auto plan's padding-mask backward
+    meets the row's logsumexp of -inf and must leave zeros there, not NaN."""
     settings(cudnn=cudnn, pad="auto")
     s_q, s_kv, d, empty = 128, 192, 64, 10
     q, k, v = cuda_qkv(B, H, s_q, s_kv, d, seed=51)

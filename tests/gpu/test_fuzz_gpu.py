@@ -18,8 +18,9 @@ reference is at most twice the best finite stock backend's (cuDNN, flash,
 efficient, all with K/V repeated to the query heads) plus a floor of a
 quarter ulp at the tensor's largest entry, or at most twice the error of
 stock F.sdpa called as the user calls it (PyTorch's choice, native GQA) where
-that is finite. The second clause keeps stock's own accuracy from failing the
-op: cuDNN's dK on these inputs can be 3.4x the best backend's, and the op's dK
+that is finite, or, where stock as called is not finite (cuDNN's NaN), no
+worse than the worse of flash and efficient attention. The second clause keeps
+stock's own accuracy from failing the op: cuDNN's dK on these inputs can be 3.4x the best backend's, and the op's dK
 is bitwise cuDNN's there (measured on the H200, cuDNN 9.19). Both ratios are
 recorded. Where no stock backend is finite the op must still be finite.
 Dropout cases (5%) cannot be compared element by element: there the op must
@@ -67,7 +68,7 @@ def draw(rng: random.Random) -> dict:
              s_q=log_uniform(rng, 1, 2048), layout=rng.choice(("bhsd", "bshd")),
              mask=rng.choice(MASKS), rows=rng.choice(SHARES),
              form=rng.choice(("spread", "one_dim")),
-             dropout=0.1 if rng.random() < 0.05 else 0.0, seed=rng.randrange(2**31))
+             dropout=0.125 if rng.random() < 0.05 else 0.0, seed=rng.randrange(2**31))
     c["s_kv"] = (128 * rng.randint(0, 15) + 64 if rng.random() < 0.5
                  else log_uniform(rng, 2, 2048))
     if c["mask"] == "left_padded":  # a padded batch: queries and keys are one sequence
@@ -138,14 +139,14 @@ def reference(q, k, v, go, mask, causal) -> Attn:
 
 
 def best_stock(q, k, v, go, mask, causal) -> dict:
-    """Per tensor, the smallest finite error of any stock backend (None: none
-    was finite or available)."""
-    results = [run_stock(getattr(SDPBackend, name), q, k, v, go, attn_mask=mask,
-                         is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
-               for name in STOCK]
-    return {name: [r for r in (getattr(res, name) for res in results if res is not None)
-                   if nonfinite(r) == 0]
-            for name in Attn._fields}
+    """Per tensor, {backend: result} of every stock backend that ran and was
+    finite there."""
+    results = {name: run_stock(getattr(SDPBackend, name), q, k, v, go, attn_mask=mask,
+                               is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+               for name in STOCK}
+    return {field: {name: getattr(res, field) for name, res in results.items()
+                    if res is not None and nonfinite(getattr(res, field)) == 0}
+            for field in Attn._fields}
 
 
 def as_called(q, k, v, go, mask, causal) -> Attn | None:
@@ -185,16 +186,24 @@ def check_case(i: int, c: dict, worst: dict) -> str | None:
             return f"{where}: {name} has {nonfinite(x)} non-finite elements"
         if not stock[name]:
             continue  # no finite stock backend: finite is the bar
-        yard = min(max_err(s, r) for s in stock[name])
+        errs = {backend: max_err(t, r) for backend, t in stock[name].items()}
+        yard = min(errs.values())
         user = max_err(getattr(called, name), r) if called is not None else math.inf
+        # Where stock as called is not finite (cuDNN's NaN), the project's
+        # standard: no worse than the worse of flash and efficient attention.
+        fallback = (max(errs[b] for b in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION") if b in errs)
+                    if not math.isfinite(user) and ("FLASH_ATTENTION" in errs
+                                                    or "EFFICIENT_ATTENTION" in errs)
+                    else -math.inf)
         floor = floor_for(r, c["dtype"])
         if yard > 0:
             worst[f"{name} / best stock"] = max(worst.get(f"{name} / best stock", 0.0), err / yard)
         if math.isfinite(user) and user > 0:
             worst[f"{name} / as called"] = max(worst.get(f"{name} / as called", 0.0), err / user)
-        if err > 2.0 * yard + floor and not err <= 2.0 * user + floor:
+        if err > 2.0 * yard + floor and not err <= 2.0 * user + floor and not err <= fallback:
             return (f"{where}: {name} error {err:.3e} > 2 x best stock {yard:.3e} + floor "
-                    f"{floor:.3e}, and > 2 x stock as called {user:.3e} + floor")
+                    f"{floor:.3e}, > 2 x stock as called {user:.3e} + floor, and > the worse "
+                    f"of flash and efficient ({fallback:.3e})")
     return None
 
 
@@ -221,7 +230,7 @@ def test_fuzz_against_stock(suite_results):
     assert not failures, f"{len(failures)} of {CASES} cases failed:\n" + "\n".join(failures[:10])
 
 
-# head_dim 160 (a head_dim the repair takes, in no draw above: adding it there
+# head_dim 160 (a head_dim cuDNN takes, in no draw above: adding it there
 # would change what every recorded seed replays): fixed cases across GQA, causal
 # with s_q != s_kv, masks and shares up to every row.
 D160 = [dict(dtype=dtype, D=160, kv_heads=kv, H=h, B=b, s_q=s_q, s_kv=s_kv, layout=layout,

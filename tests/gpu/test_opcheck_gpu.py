@@ -2,7 +2,7 @@
 schema, autograd registration, fake (meta) kernels and AOT dispatch, for each
 mask kind, with and without requires_grad, at default settings. s_kv = 704 is
 a key length the guard table marks affected on cuDNN 9.19, so the
-differentiated calls take the repair_dq plan through the cuDNN path's leaf
+differentiated calls take the padding-mask plan through the cuDNN path's leaf
 ops, which are also checked on their own, plan by plan: their Meta kernels
 must describe what cuDNN really returns.
 """
@@ -12,9 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import openwam_sdpa
-
-from .conftest import GPU_MARKS, cuda_adversarial_qkv, cuda_mask, cuda_qkv
+from .conftest import GPU_MARKS, cuda_mask, cuda_qkv
 
 pytestmark = GPU_MARKS
 
@@ -36,26 +34,10 @@ def test_opcheck_pad_keys(mask_kind, ow):
     torch.library.opcheck(torch.ops.openwam.pad_keys.default, (k, v, mask, 128))
 
 
-@pytest.mark.parametrize("mask_kind", ["none", "additive"])
-def test_opcheck_repair_dq(mask_kind, ow):
-    """The in-place dQ repair on the stock cuDNN forward of an adversarial
-    input (row 9 below the threshold, so the op does write to grad_query)."""
-    q, k, v = cuda_adversarial_qkv(B, H, S_Q, S_KV, D, (9,), seed=7, requires_grad=False)
-    mask = cuda_mask(mask_kind, B, 1, S_Q, S_KV)
-    fwd = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, mask, True, 0.0, False, False)
-    out, lse = fwd[0], fwd[1]
-    assert lse[:, :, 9].max().item() < openwam_sdpa.REPAIR_LSE_THRESHOLD, \
-        "the adversarial row must be below the repair threshold"
-    grad_out = torch.randn_like(out)
-    grad_query = torch.zeros_like(q)
-    bias = None if mask is None else mask.expand(B, H, S_Q, S_KV)
-    torch.library.opcheck(torch.ops.openwam._repair_dq_.default,
-                          (grad_query, grad_out, q, k, v, out, lse, bias, False, D ** -0.5))
-
-
-# Plan bits (csrc/plan.cpp): repair_dq 1, pad_keys_backward 2, pad_query_backward 8.
-LEAF_CASES = {"repair_dq": (1, 128, 1), "pad_keys_backward": (2, 128, 1),
-              "pad_query_backward+repair_dq": (9, 1, 1), "gqa": (1, 128, 2)}
+# Plan bits (csrc/plan.cpp): padding_mask 1, pad_keys_backward 2, pad_query_backward 8.
+LEAF_CASES = {"none": (0, 128, 1), "padding_mask": (1, 128, 1),
+              "padding_mask+pad_keys_backward": (3, 128, 1),
+              "padding_mask+pad_query_backward": (9, 1, 1), "gqa": (1, 128, 2)}
 
 
 @pytest.mark.parametrize("case", LEAF_CASES.values(), ids=LEAF_CASES.keys())

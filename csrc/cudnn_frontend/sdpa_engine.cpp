@@ -1,0 +1,305 @@
+#include "sdpa_engine.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cudnn/Handle.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <unordered_map>
+
+#include "dropout_seed.h"
+#include "full_lengths.h"
+#include "graph_cache.h"
+#include "graph_key.h"
+#include "sdpa_graphs.h"
+#include "stats.h"
+
+namespace openwam::frontend {
+namespace {
+
+// Enough for every shape a long training run with varying lengths meets in a
+// while; an evicted graph is rebuilt in tens of milliseconds (cuDNN keeps the
+// compiled kernels).
+constexpr size_t kGraphCacheCapacity = 1024;
+
+// A built graph, or why none can be built for its key.
+struct Entry {
+  std::shared_ptr<const BuiltGraph> graph;
+  std::string why_not;
+};
+
+struct GraphCache {
+  std::mutex mutex;
+  LruCache<SdpaGraphKey, Entry, SdpaGraphKeyHash> cache{kGraphCacheCapacity};
+  std::vector<std::string> failures;  // every configuration that did not build
+};
+
+GraphCache& graph_cache() {
+  // Never destroyed: graphs hold cuDNN objects, which must not be freed after
+  // the CUDA context is gone at process exit.
+  static auto* cache = new GraphCache();
+  return *cache;
+}
+
+// A dimension of size 1 can have any stride; cuDNN reads its stride anyway,
+// and a stride of 0 (an expanded size-1 dim) is normalised as ATen does, so
+// that equal layouts give equal keys.
+Layout layout_of(const at::Tensor& t) {
+  TORCH_INTERNAL_ASSERT(t.dim() == 4, "cuDNN SDPA graphs take 4-D tensors");
+  Layout l;
+  for (int i = 3; i >= 0; --i) {
+    l.sizes[i] = t.size(i);
+    l.strides[i] = t.stride(i);
+    if (l.sizes[i] == 1) {
+      l.strides[i] = i == 3 ? 1 : l.strides[i + 1] * l.sizes[i + 1];
+    }
+  }
+  return l;
+}
+
+// The strides at::empty_like gives a gradient: the input's where they are
+// dense and non-overlapping, else contiguous.
+Layout gradient_layout(const at::Tensor& t) {
+  if (t.is_non_overlapping_and_dense()) {
+    return layout_of(t);
+  }
+  Layout l;
+  int64_t stride = 1;
+  for (int i = 3; i >= 0; --i) {
+    l.sizes[i] = t.size(i);
+    l.strides[i] = stride;
+    stride *= t.size(i);
+  }
+  return l;
+}
+
+at::Tensor empty_gradient(const at::Tensor& t) {
+  const Layout l = gradient_layout(t);
+  return at::empty_strided({l.sizes.begin(), l.sizes.end()}, {l.strides.begin(), l.strides.end()},
+                           t.options());
+}
+
+// cuDNN reads the bias as [B, 1|H, L, S]: broadcast axes expanded with
+// stride 0, as ATen passes it.
+at::Tensor expanded_bias(const at::Tensor& bias, const at::Tensor& query, const at::Tensor& key) {
+  if (!bias.defined()) {
+    return bias;
+  }
+  return bias.expand({query.size(0), bias.size(1), query.size(2), key.size(2)});
+}
+
+SdpaGraphKey base_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& bias, double dropout_p, bool is_causal) {
+  SdpaGraphKey key;
+  key.device = q.device().index();
+  key.bf16 = q.scalar_type() == at::kBFloat16;
+  key.q = layout_of(q);
+  key.k = layout_of(k);
+  key.v = layout_of(v);
+  if (bias.defined()) {
+    key.bias = layout_of(bias);
+  }
+  key.is_causal = is_causal;
+  key.dropout_p = dropout_p;
+  return key;
+}
+
+// The backward of the forward `fwd`, for a grad_out laid out like the output.
+SdpaGraphKey backward_key(const SdpaGraphKey& fwd, const at::Tensor& q, const at::Tensor& k,
+                          const at::Tensor& v, bool padding_mask) {
+  SdpaGraphKey bwd = fwd;
+  bwd.pass = Pass::kBackward;
+  bwd.padding_mask = padding_mask;
+  bwd.grad_out = fwd.o;
+  bwd.dq = gradient_layout(q);
+  bwd.dk = gradient_layout(k);
+  bwd.dv = gradient_layout(v);
+  return bwd;
+}
+
+// The graph for `key`: cached, built now, or nullptr with the reason.
+std::shared_ptr<const BuiltGraph> graph_for(const SdpaGraphKey& key, std::string& why_not) {
+  GraphCache& c = graph_cache();
+  {
+    std::lock_guard<std::mutex> lock(c.mutex);
+    if (Entry* e = c.cache.find(key)) {
+      why_not = e->why_not;
+      return e->graph;
+    }
+  }
+  // Built outside the lock: a build takes up to a second, and another thread
+  // building the same key at the same time only costs a duplicate build.
+  Entry e;
+  e.graph = build_graph(key, at::native::getCudnnHandle(), e.why_not);
+  auto& s = stats();
+  if (e.graph == nullptr) {
+    s.graph_build_failures++;
+  } else if (key.pass == Pass::kBackward) {
+    s.backward_graphs_built++;
+  } else {
+    s.forward_graphs_built++;
+  }
+  std::lock_guard<std::mutex> lock(c.mutex);
+  if (e.graph == nullptr) {
+    std::string failure = key.describe() + ": " + e.why_not;
+    if (std::find(c.failures.begin(), c.failures.end(), failure) == c.failures.end()) {
+      c.failures.push_back(std::move(failure));
+    }
+  }
+  if (Entry* raced = c.cache.find(key)) {
+    // Another thread built the same key meanwhile: keep its entry.
+    why_not = raced->why_not;
+    return raced->graph;
+  }
+  const size_t before = c.cache.size();
+  c.cache.insert(key, e);
+  if (c.cache.size() == before) {
+    s.graph_cache_evictions++;
+  }
+  why_not = e.why_not;
+  return e.graph;
+}
+
+// Marks `key` as unbuildable (its partner graph failed), so that both passes
+// of a configuration take the same engine.
+void record_failure(const SdpaGraphKey& key, const std::string& why_not) {
+  GraphCache& c = graph_cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.cache.insert(key, Entry{nullptr, why_not});
+}
+
+float scale_value(std::optional<double> scale, const at::Tensor& query) {
+  return static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(query.size(-1)))));
+}
+
+// Runs a built graph on the current stream, its workspace from the caching
+// allocator (stream-ordered: freed after the launch, reused in order).
+void run(const BuiltGraph& graph, std::unordered_map<int64_t, void*>& pack,
+         const SdpaGraphKey& key) {
+  auto workspace = c10::cuda::CUDACachingAllocator::get()->allocate(
+      static_cast<size_t>(graph.workspace_size()));
+  const std::string error = graph.execute(at::native::getCudnnHandle(), pack, workspace.get());
+  TORCH_CHECK(error.empty(), "openwam::sdpa: cuDNN could not run its ", key.describe(), ": ",
+              error);
+}
+
+}  // namespace
+
+bool sdpa_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                  const at::Tensor& bias_in, bool training, double dropout_p, bool is_causal,
+                  std::optional<double> scale, bool padding_mask, bool prepare_backward,
+                  CudnnForward& result, std::string& why_not) {
+  const at::Tensor bias = expanded_bias(bias_in, query, key);
+  const at::Tensor out = empty_like_cudnn_output(query, value.sym_size(-1));
+  SdpaGraphKey fwd = base_key(query, key, value, bias, dropout_p, is_causal);
+  fwd.pass = training ? Pass::kTraining : Pass::kInference;
+  fwd.o = layout_of(out);
+  // A training forward builds the backward graph now too, for a grad_out laid
+  // out like the output (autograd's usual case): where either cannot be
+  // built, both passes take ATen, so that they agree on the engine (and on
+  // dropout's pattern).
+  SdpaGraphKey bwd = backward_key(fwd, query, key, value, padding_mask);
+  const std::shared_ptr<const BuiltGraph> graph = graph_for(fwd, why_not);
+  if (graph == nullptr || (training && prepare_backward && graph_for(bwd, why_not) == nullptr)) {
+    record_failure(graph == nullptr ? bwd : fwd, why_not);
+    return false;
+  }
+  float scale_by_value = scale_value(scale, query);
+  std::unordered_map<int64_t, void*> pack = {
+      {kQ, query.data_ptr()}, {kK, key.data_ptr()}, {kV, value.data_ptr()},
+      {kO, out.data_ptr()},   {kScale, &scale_by_value}};
+  if (bias.defined()) {
+    pack[kBias] = bias.data_ptr();
+  }
+  result.out = out;
+  if (training) {
+    result.logsumexp = at::empty({query.size(0), query.size(1), query.size(2), 1},
+                                 query.options().dtype(at::kFloat));
+    pack[kStats] = result.logsumexp.data_ptr();
+  }
+  if (dropout_p > 0.0) {
+    // One random value per score, as ATen's cuDNN attention draws them.
+    std::tie(result.philox_seed, result.philox_offset) = dropout_seed_offset(
+        query.device(), static_cast<uint64_t>(query.size(0) * query.size(1) *
+                                              query.size(2) * key.size(2)));
+    pack[kSeed] = result.philox_seed.data_ptr();
+    pack[kOffset] = result.philox_offset.data_ptr();
+  }
+  run(*graph, pack, fwd);
+  return true;
+}
+
+bool sdpa_backward(const at::Tensor& grad_out_in, const at::Tensor& query, const at::Tensor& key,
+                   const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
+                   const at::Tensor& philox_seed, const at::Tensor& philox_offset,
+                   const at::Tensor& bias_in, double dropout_p, bool is_causal,
+                   std::optional<double> scale, bool padding_mask,
+                   std::tuple<at::Tensor, at::Tensor, at::Tensor>& grads, std::string& why_not) {
+  const at::Tensor bias = expanded_bias(bias_in, query, key);
+  // cuDNN reads rows of grad_out: one broadcast along head_dim (from
+  // out.sum().backward()) or otherwise strided is copied into out's layout.
+  at::Tensor grad_out = grad_out_in;
+  if (grad_out.stride(-1) != 1 || !grad_out.is_non_overlapping_and_dense()) {
+    grad_out = at::empty_strided(out.sizes(), out.strides(), out.options()).copy_(grad_out_in);
+  }
+  SdpaGraphKey fwd = base_key(query, key, value, bias, dropout_p, is_causal);
+  fwd.o = layout_of(out);
+  const SdpaGraphKey prepared = backward_key(fwd, query, key, value, padding_mask);
+  SdpaGraphKey bwd = prepared;
+  bwd.grad_out = layout_of(grad_out);
+  std::shared_ptr<const BuiltGraph> graph = graph_for(bwd, why_not);
+  if (graph == nullptr && bwd != prepared) {
+    // The graph the forward prepared takes grad_out in out's layout.
+    grad_out = at::empty_strided(out.sizes(), out.strides(), out.options()).copy_(grad_out);
+    bwd = prepared;
+    graph = graph_for(bwd, why_not);
+  }
+  if (graph == nullptr) {
+    return false;
+  }
+  // The statistics the forward wrote: float32 [B, H, L, 1], packed.
+  TORCH_INTERNAL_ASSERT(logsumexp.dim() == 4 && logsumexp.size(0) == query.size(0) &&
+                        logsumexp.size(1) == query.size(1) &&
+                        logsumexp.size(2) == query.size(2) && logsumexp.is_contiguous() &&
+                        logsumexp.scalar_type() == at::kFloat);
+  at::Tensor dq = empty_gradient(query), dk = empty_gradient(key), dv = empty_gradient(value);
+  float scale_by_value = scale_value(scale, query);
+  std::unordered_map<int64_t, void*> pack = {
+      {kQ, query.data_ptr()},      {kK, key.data_ptr()},         {kV, value.data_ptr()},
+      {kO, out.data_ptr()},        {kGradOut, grad_out.data_ptr()},
+      {kStats, logsumexp.data_ptr()}, {kGradQ, dq.data_ptr()},    {kGradK, dk.data_ptr()},
+      {kGradV, dv.data_ptr()},     {kScale, &scale_by_value}};
+  if (bias.defined()) {
+    pack[kBias] = bias.data_ptr();
+  }
+  if (dropout_p > 0.0) {
+    pack[kSeed] = philox_seed.data_ptr();
+    pack[kOffset] = philox_offset.data_ptr();
+  }
+  at::Tensor lengths;
+  if (padding_mask) {
+    lengths = full_lengths(query, query.size(2), key.size(2));
+    pack[kSeqLenQ] = lengths[0].data_ptr();
+    pack[kSeqLenKv] = lengths[1].data_ptr();
+    stats().padding_mask_backwards++;
+  }
+  run(*graph, pack, bwd);
+  grads = {dq, dk, dv};
+  return true;
+}
+
+std::vector<std::string> build_failures() {
+  GraphCache& c = graph_cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  return c.failures;
+}
+
+void clear_graph_cache() {
+  GraphCache& c = graph_cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.cache.clear();
+}
+
+}  // namespace openwam::frontend

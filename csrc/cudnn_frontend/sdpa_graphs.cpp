@@ -1,0 +1,152 @@
+#include "sdpa_graphs.h"
+
+#include <cudnn_frontend.h>
+
+#include <exception>
+#include <vector>
+
+namespace openwam::frontend {
+namespace {
+
+namespace fe = cudnn_frontend;
+using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
+
+std::vector<int64_t> vec(const std::array<int64_t, 4>& a) { return {a.begin(), a.end()}; }
+
+TensorPtr input(fe::graph::Graph& g, Uid uid, const char* name, const Layout& l) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_uid(uid)
+                      .set_name(name)
+                      .set_dim(vec(l.sizes))
+                      .set_stride(vec(l.strides)));
+}
+
+TensorPtr scalar_input(fe::graph::Graph& g, Uid uid, const char* name, fe::DataType_t type,
+                       bool by_value) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_uid(uid)
+                      .set_name(name)
+                      .set_dim({1, 1, 1, 1})
+                      .set_stride({1, 1, 1, 1})
+                      .set_is_pass_by_value(by_value)
+                      .set_data_type(type));
+}
+
+TensorPtr lengths(fe::graph::Graph& g, Uid uid, const char* name, int64_t batch) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_uid(uid)
+                      .set_name(name)
+                      .set_dim({batch, 1, 1, 1})
+                      .set_stride({1, 1, 1, 1})
+                      .set_data_type(fe::DataType_t::INT32));
+}
+
+void output(const TensorPtr& t, Uid uid, const Layout& l) {
+  t->set_output(true).set_uid(uid).set_dim(vec(l.sizes)).set_stride(vec(l.strides));
+}
+
+// The options both passes share: scale, mask, dropout, padding mask.
+template <typename Attributes>
+void common_options(fe::graph::Graph& g, const SdpaGraphKey& key, Attributes& a) {
+  a.set_attn_scale(scalar_input(g, kScale, "attn_scale", fe::DataType_t::FLOAT, true));
+  a.set_causal_mask(key.is_causal);  // top-left, as F.sdpa's is_causal
+  if (key.bias.present()) {
+    a.set_bias(input(g, kBias, "bias", key.bias));
+  }
+  if (key.dropout_p > 0.0) {
+    a.set_dropout(static_cast<float>(key.dropout_p),
+                  scalar_input(g, kSeed, "dropout_seed", fe::DataType_t::INT64, false),
+                  scalar_input(g, kOffset, "dropout_offset", fe::DataType_t::INT64, false));
+  }
+  if (key.padding_mask) {
+    // Lengths equal to the full sizes: nothing is masked, but the kernels
+    // then bound the last key tile by s_kv, which is what removes the
+    // backward defects (cudnn-frontend #160 and #1072).
+    a.set_padding_mask(true)
+        .set_seq_len_q(lengths(g, kSeqLenQ, "seq_len_q", key.q.sizes[0]))
+        .set_seq_len_kv(lengths(g, kSeqLenKv, "seq_len_kv", key.q.sizes[0]));
+  }
+}
+
+std::shared_ptr<fe::graph::Graph> describe_graph(const SdpaGraphKey& key) {
+  auto g = std::make_shared<fe::graph::Graph>();
+  g->set_io_data_type(key.bf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF)
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  const TensorPtr q = input(*g, kQ, "q", key.q);
+  const TensorPtr k = input(*g, kK, "k", key.k);
+  const TensorPtr v = input(*g, kV, "v", key.v);
+  const int64_t b = key.q.sizes[0], h = key.q.sizes[1], s_q = key.q.sizes[2];
+  const Layout stats{{b, h, s_q, 1}, {h * s_q, s_q, 1, 1}};
+  if (key.pass == Pass::kBackward) {
+    fe::graph::SDPA_backward_attributes a;
+    a.set_name("openwam_sdpa_backward");
+    common_options(*g, key, a);
+    const TensorPtr o = input(*g, kO, "o", key.o);
+    const TensorPtr go = input(*g, kGradOut, "grad_out", key.grad_out);
+    const TensorPtr lse = input(*g, kStats, "stats", stats);
+    lse->set_data_type(fe::DataType_t::FLOAT);
+    auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, go, lse, a);
+    output(dq, kGradQ, key.dq);
+    output(dk, kGradK, key.dk);
+    output(dv, kGradV, key.dv);
+  } else {
+    fe::graph::SDPA_attributes a;
+    a.set_name("openwam_sdpa_forward");
+    a.set_generate_stats(key.pass == Pass::kTraining);
+    common_options(*g, key, a);
+    auto [o, lse] = g->sdpa(q, k, v, a);
+    output(o, kO, key.o);
+    if (key.pass == Pass::kTraining) {
+      output(lse, kStats, stats);
+      lse->set_data_type(fe::DataType_t::FLOAT);
+    }
+  }
+  return g;
+}
+
+class FrontendGraph final : public BuiltGraph {
+ public:
+  FrontendGraph(std::shared_ptr<fe::graph::Graph> g, int64_t workspace)
+      : graph_(std::move(g)), workspace_(workspace) {}
+  int64_t workspace_size() const override { return workspace_; }
+  std::string execute(cudnnHandle_t handle, std::unordered_map<int64_t, void*>& pack,
+                      void* workspace) const override {
+    auto status = graph_->execute(handle, pack, workspace);
+    return status.is_good() ? std::string() : status.get_message();
+  }
+
+ private:
+  std::shared_ptr<fe::graph::Graph> graph_;
+  int64_t workspace_;
+};
+
+}  // namespace
+
+std::shared_ptr<const BuiltGraph> build_graph(const SdpaGraphKey& key, cudnnHandle_t handle,
+                                              std::string& why_not) {
+  try {
+    auto g = describe_graph(key);
+    // Each step's error says which step failed; the first failure ends it.
+    const auto step = [&why_not](const char* name, fe::error_t status) {
+      if (status.is_good()) return true;
+      why_not = std::string(name) + ": " + status.get_message();
+      return false;
+    };
+    int64_t workspace = 0;
+    if (step("validate", g->validate()) &&
+        step("build_operation_graph", g->build_operation_graph(handle)) &&
+        step("create_execution_plans",
+             g->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK})) &&
+        step("check_support", g->check_support(handle)) &&
+        step("build_plans", g->build_plans(handle)) &&
+        step("get_workspace_size", g->get_workspace_size(workspace))) {
+      return std::make_shared<FrontendGraph>(std::move(g), workspace);
+    }
+  } catch (const std::exception& e) {
+    why_not = std::string("the frontend threw: ") + e.what();
+  }
+  return nullptr;
+}
+
+}  // namespace openwam::frontend

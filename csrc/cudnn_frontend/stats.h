@@ -1,0 +1,27 @@
+// Telemetry of the cuDNN frontend path, read by openwam_sdpa.frontend_stats():
+// how many graphs were built (a steady state builds none), how many could not
+// be built, how many calls took the ATen fallback, and how many backward
+// calls ran with the padding mask. Host counters only: reading them never
+// synchronises. A CUDA graph replay runs no host code and counts nothing.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+namespace openwam::frontend {
+
+struct Stats {
+  std::atomic<int64_t> forward_graphs_built{0};
+  std::atomic<int64_t> backward_graphs_built{0};
+  std::atomic<int64_t> graph_build_failures{0};
+  std::atomic<int64_t> graph_cache_evictions{0};
+  std::atomic<int64_t> aten_fallback_calls{0};
+  std::atomic<int64_t> padding_mask_backwards{0};
+};
+
+inline Stats& stats() {
+  static Stats s;
+  return s;
+}
+
+}  // namespace openwam::frontend
