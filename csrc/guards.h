@@ -38,8 +38,9 @@ enum class Fix {
   kKeyTail,          // the key-tail dQ defect: cuDNN's padding mask on the
                      // frontend; on the ATen fallback, K/V padded to a multiple
                      // of 128 (with dropout, in the forward too)
-  kSingleQueryRow,   // the one-query-row dK/dV defect: cuDNN's padding mask on
-                     // the frontend; on the ATen fallback, a second zero query row
+  kSingleQueryRow,   // the one-query-row dK/dV defect: the backward in fp32
+                     // without cuDNN; with dropout, cuDNN's padding mask and a
+                     // second zero query row
 };
 
 struct GuardRule {
