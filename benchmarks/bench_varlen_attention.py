@@ -235,7 +235,9 @@ def main(argv=None):
         for section in SECTIONS:
             assert "error" not in (result[section] if isinstance(result[section], dict) else {}), \
                 result[section]
-        assert report.table_rows(md, "## Forward+backward"), md
+        assert len(report.table_rows(md, "## Forward+backward")) == 4 * len(args.tokens), md
+        assert result["run"][CUDNN]["steps"] == args.steps, result["run"]
+        print("selftest OK")
     print(f"wrote {', '.join(files)} under {args.out}; measured in {result['stack']['elapsed_s']}s")
 
 
