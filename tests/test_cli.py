@@ -343,8 +343,8 @@ def guards_json(capsys, *args):
     return json.loads(out)
 
 
-# ragged_unmeasured (sdpa_varlen's cuDNN engine) covers every known version but 9.19.0,
-# where the engine was measured right.
+# ragged_unmeasured (after 9.19.0) and ragged_unmeasured_old (before) keep sdpa_varlen's
+# cuDNN engine off everywhere but 9.19.0, where it was measured.
 @pytest.mark.parametrize("cudnn,applying,status", [
     ("9.19.0", {"key_tail_nan_dq_9.19", "sq1_nan_dk_dv_9.19"}, "measured"),
     ("9.20.0", {"key_tail_nan_dq", "sq1_nan_dk_dv", "ragged_unmeasured"}, "conservative"),
