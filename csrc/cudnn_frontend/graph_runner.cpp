@@ -37,6 +37,13 @@ GraphCache& graph_cache() {
   return *cache;
 }
 
+// Marks `key` as unbuildable (its partner graph failed).
+void record_failure(const SdpaGraphKey& key, const std::string& why_not) {
+  GraphCache& c = graph_cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.cache.insert(key, Entry{nullptr, why_not});
+}
+
 }  // namespace
 
 std::shared_ptr<const BuiltGraph> graph_for(const SdpaGraphKey& key, std::string& why_not) {
@@ -83,10 +90,14 @@ std::shared_ptr<const BuiltGraph> graph_for(const SdpaGraphKey& key, std::string
   return e.graph;
 }
 
-void record_failure(const SdpaGraphKey& key, const std::string& why_not) {
-  GraphCache& c = graph_cache();
-  std::lock_guard<std::mutex> lock(c.mutex);
-  c.cache.insert(key, Entry{nullptr, why_not});
+std::shared_ptr<const BuiltGraph> forward_graph(const SdpaGraphKey& fwd, const SdpaGraphKey& bwd,
+                                                bool prepare_backward, std::string& why_not) {
+  std::shared_ptr<const BuiltGraph> graph = graph_for(fwd, why_not);
+  if (graph == nullptr || (prepare_backward && graph_for(bwd, why_not) == nullptr)) {
+    record_failure(graph == nullptr ? bwd : fwd, why_not);
+    return nullptr;
+  }
+  return graph;
 }
 
 float scale_value(std::optional<double> scale, const at::Tensor& query) {

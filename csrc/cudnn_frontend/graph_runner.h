@@ -24,9 +24,13 @@ namespace openwam::frontend {
 // `why_not` (a failure is cached too, and listed by build_failures()).
 std::shared_ptr<const BuiltGraph> graph_for(const SdpaGraphKey& key, std::string& why_not);
 
-// Marks `key` as unbuildable (its partner graph failed), so that both passes
-// of a configuration take the same engine.
-void record_failure(const SdpaGraphKey& key, const std::string& why_not);
+// The forward graph for `fwd`; with `prepare_backward` (a training forward)
+// the backward graph `bwd` is built now too. Where either cannot be built,
+// the other is recorded unbuildable as well, so that a configuration's two
+// passes take one engine (and dropout one pattern): nullptr, with the reason
+// in `why_not`.
+std::shared_ptr<const BuiltGraph> forward_graph(const SdpaGraphKey& fwd, const SdpaGraphKey& bwd,
+                                                bool prepare_backward, std::string& why_not);
 
 // The attention scale cuDNN takes by value: `scale` or 1/sqrt(head_dim).
 float scale_value(std::optional<double> scale, const at::Tensor& query);

@@ -106,10 +106,8 @@ bool ragged_forward(const at::Tensor& query, const at::Tensor& key, const at::Te
   at::Tensor out = at::empty({query.size(0), query.size(1), value.size(2)}, query.options());
   const SdpaGraphKey fwd = forward_key(query, key, value, out, d, dropout_p, is_causal, training);
   const SdpaGraphKey bwd = backward_key(fwd, query, key, d);
-  // Both passes are built now, so that a configuration takes one engine.
-  const auto graph = graph_for(fwd, why_not);
-  if (graph == nullptr || (training && graph_for(bwd, why_not) == nullptr)) {
-    record_failure(graph == nullptr ? bwd : fwd, why_not);
+  const auto graph = forward_graph(fwd, bwd, training, why_not);
+  if (graph == nullptr) {
     return false;
   }
   float scale_by_value = scale_value(scale, query);

@@ -104,12 +104,11 @@ bool sdpa_forward(const at::Tensor& query, const at::Tensor& key, const at::Tens
   fwd.o = layout_of(out);
   // A training forward builds the backward graph now too, for a grad_out laid
   // out like the output (autograd's usual case): where either cannot be
-  // built, both passes take ATen, so that they agree on the engine (and on
-  // dropout's pattern).
-  SdpaGraphKey bwd = backward_key(fwd, query, key, value, padding_mask);
-  const std::shared_ptr<const BuiltGraph> graph = graph_for(fwd, why_not);
-  if (graph == nullptr || (training && prepare_backward && graph_for(bwd, why_not) == nullptr)) {
-    record_failure(graph == nullptr ? bwd : fwd, why_not);
+  // built, both passes take ATen.
+  const SdpaGraphKey bwd = backward_key(fwd, query, key, value, padding_mask);
+  const std::shared_ptr<const BuiltGraph> graph =
+      forward_graph(fwd, bwd, training && prepare_backward, why_not);
+  if (graph == nullptr) {
     return false;
   }
   float scale_by_value = scale_value(scale, query);
