@@ -87,9 +87,7 @@ struct PaddedQuery {
 PaddedQuery pad_query_row(const at::Tensor& query, const at::Tensor& grad_out,
                           const at::Tensor& out, const at::Tensor& logsumexp,
                           const at::Tensor& bias) {
-  TORCH_CHECK(query.size(2) == 1,
-              "openwam::_cudnn_sdpa_backward: the plan pad_query_backward is for a "
-              "single query row, got ", query.size(2), " rows");
+  TORCH_INTERNAL_ASSERT(query.size(2) == 1);  // backward_with_plan checked the call
   const auto grow = [](const at::Tensor& t, const c10::Scalar& fill) {
     return pad_dim(t, 2, 2, fill);
   };
@@ -199,6 +197,9 @@ Tensors3 backward_with_plan(const at::Tensor& grad_out, const at::Tensor& query,
   at::Tensor q = query, k = key, v = value, go = go_dense, o = out, lse = logsumexp;
   at::Tensor bias = attn_bias.value_or(at::Tensor());
   bool causal = is_causal;
+  TORCH_CHECK(!plan.pad_query_backward || query.size(2) == 1,
+              "openwam::_cudnn_sdpa_backward: the plan pad_query_backward is for a "
+              "single query row, got ", query.size(2), " rows");
   if (plan.pad_query_backward && dropout_p == 0.0) {
     // Batch 1, one query row: exact in fp32 and GEMV-sized, so no engine's
     // backward runs (reference_attention.h says why). With dropout the
@@ -311,7 +312,6 @@ Tensors3 frontend_padded_backward(const at::Tensor& grad_out, const at::Tensor& 
 
 constexpr Engine kFrontendPaddedEngine{&cudnn_forward, &frontend_padded_backward<false>};
 constexpr Engine kFrontendGrownQueryEngine{&cudnn_forward, &frontend_padded_backward<true>};
-
 
 // With a bias, cuDNN's padding-mask backward is the slow corner: 1.10x-1.23x
 // stock's fwd+bwd at 360x64 to 4096x4032 (H200, cuDNN 9.19.0, bf16, head_dim

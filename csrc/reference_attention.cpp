@@ -90,9 +90,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> single_row_backward(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
     const at::Tensor& bias, bool is_causal, std::optional<double> scale) {
-  TORCH_CHECK(query.dim() == 4 && query.size(2) == 1,
-              "openwam::_cudnn_sdpa_backward: the plan pad_query_backward is for a single "
-              "query row, got ", query.size(2), " rows");
+  TORCH_INTERNAL_ASSERT(query.dim() == 4 && query.size(2) == 1,
+                        "single_row_backward takes one query row");
   const int64_t batch = query.size(0), heads = query.size(1), kv_heads = key.size(1);
   const int64_t group = heads / kv_heads;
   const int64_t s_kv = key.size(2);

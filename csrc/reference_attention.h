@@ -34,7 +34,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reference_backward(
 // one product, so grouped-query attention copies nothing and dK/dV sum over
 // the group in the product. No dropout. query [B, H, 1, E]; key/value
 // [B, H_kv, S, E|Ev]; logsumexp [B, H, 1, 1] float32; bias broadcastable to
-// [B, H, 1, S] or undefined. A query with more rows is a user's plan error.
+// [B, H, 1, S] or undefined.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> single_row_backward(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
