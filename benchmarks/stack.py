@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-SETTINGS = ("OPENWAM_SDPA_CUDNN", "OPENWAM_SDPA_PAD", "OPENWAM_SDPA_CHECK_FINITE")
+SETTINGS = ("OPENWAM_SDPA_CUDNN", "OPENWAM_SDPA_PAD", "OPENWAM_SDPA_CHECK_FINITE",
+            "OPENWAM_SDPA_FRONTEND", "OPENWAM_SDPA_VARLEN")
 
 
 def require_device(selftest: bool) -> None:
@@ -51,6 +52,7 @@ def set_env(values):
     ow = sys.modules.get("openwam_sdpa")
     if ow is not None and hasattr(ow, "reload_settings"):
         ow.reload_settings()
+        ow.varlen_settings(reload=True)
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "cudnn_attention.h"
+#include "settings.h"
 
 #ifdef OPENWAM_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -165,22 +166,26 @@ VarlenDecision decide_varlen(const VarlenCall& call, VarlenPreference preference
     }
     return d;
   }
-  if (flash_no == nullptr) {
-    return decided(VarlenBackend::kFlash, preference == VarlenPreference::kFlash
-                                              ? "OPENWAM_SDPA_VARLEN=flash"
-                                              : "FlashAttention-2 varlen can serve");
-  }
   if (preference == VarlenPreference::kAuto && cudnn_no == nullptr) {
     const GuardRule* rule = ragged_rule(call, stack.cudnn_version);
     if (rule == nullptr) {
       return decided(VarlenBackend::kCudnnRagged,
-                     "FlashAttention-2 cannot serve; cuDNN's ragged layout can");
+                     "cuDNN's ragged layout on the frontend's graphs, measured right on this "
+                     "cuDNN");
     }
-    d = decided(VarlenBackend::kBlockDiagonal,
-                "FlashAttention-2 cannot serve, and a guard row keeps cuDNN's ragged "
-                "layout off: openwam::sdpa with a block-diagonal mask");
+    d = decided(flash_no == nullptr ? VarlenBackend::kFlash : VarlenBackend::kBlockDiagonal,
+                flash_no == nullptr
+                    ? "a guard row keeps cuDNN's ragged layout off: FlashAttention-2 varlen"
+                    : "a guard row keeps cuDNN's ragged layout off, and FlashAttention-2 "
+                      "cannot serve: openwam::sdpa with a block-diagonal mask");
     d.rule = rule;
     return d;
+  }
+  if (flash_no == nullptr) {
+    return decided(VarlenBackend::kFlash, preference == VarlenPreference::kFlash
+                                              ? "OPENWAM_SDPA_VARLEN=flash"
+                                              : "cuDNN's ragged layout cannot take the call; "
+                                                "FlashAttention-2 varlen can");
   }
   return decided(VarlenBackend::kBlockDiagonal,
                  "no fused varlen engine can serve: openwam::sdpa with a block-diagonal mask");
@@ -196,6 +201,16 @@ VarlenDecision decide_varlen(const VarlenCall& call) {
 #endif
     stack.cudnn_version = runtime_cudnn_version();
     stack.cudnn_unavailable = cudnn_unavailable(call.query);
+#ifndef OPENWAM_WITH_CUDNN_FRONTEND
+    if (stack.cudnn_unavailable == nullptr) {
+      stack.cudnn_unavailable = "this build has no cuDNN frontend (the ragged engine's graphs)";
+    }
+#endif
+    if (stack.cudnn_unavailable == nullptr && !current_settings().frontend) {
+      // ATen's own ragged call is wrong (pytorch #186142): no fallback there.
+      stack.cudnn_unavailable = "OPENWAM_SDPA_FRONTEND=0 (the ragged engine runs on the "
+                                "frontend's graphs only)";
+    }
   }
   return decide_varlen(call, varlen_preference(), stack);
 }

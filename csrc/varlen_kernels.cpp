@@ -2,7 +2,8 @@
 // openwam::_sdpa_varlen_backward, per engine (VarlenBackend):
 //   CPU   the exact reference, one sequence at a time (reads cu_seqlens:
 //         free on the CPU), so that CI tests the op, its autograd and compile;
-//   CUDA  ATen's FlashAttention-2 varlen, or cuDNN's ragged layout;
+//   CUDA  ATen's FlashAttention-2 varlen, or cuDNN's ragged layout on the
+//         frontend's graphs (cudnn_frontend/ragged_engine.h);
 //   Meta  the outputs' shapes per engine, for torch.compile.
 // Every kernel returns contiguous outputs, which is what the Meta kernel says.
 #include <ATen/ATen.h>
@@ -10,14 +11,16 @@
 
 #include <cmath>
 #include <limits>
+#include <string>
 
 #include "varlen.h"
 
 #ifdef OPENWAM_WITH_CUDA
-#include <ATen/ops/_cudnn_attention_backward.h>
-#include <ATen/ops/_cudnn_attention_forward.h>
 #include <ATen/ops/_flash_attention_backward.h>
 #include <ATen/ops/_flash_attention_forward.h>
+#endif
+#ifdef OPENWAM_WITH_CUDNN_FRONTEND
+#include "cudnn_frontend/ragged_engine.h"
 #endif
 
 namespace openwam {
@@ -198,6 +201,32 @@ Tensors3 cpu_backward(const at::Tensor& grad_out, const at::Tensor& query,
 // The fused engines read rows with unit stride along head_dim.
 at::Tensor rows(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
+#ifdef OPENWAM_WITH_CUDNN_FRONTEND
+// Where cuDNN cannot build a ragged graph for a call (a version, a layout),
+// FlashAttention-2 varlen runs it, its logsumexp transposed into the ragged
+// engine's [total_q, H, 1] (what the Meta kernel promised). Not with dropout
+// (the engines' random states differ) nor where FlashAttention-2 would align
+// a causal mask differently (a sequence's s_q != s_k): those raise.
+Tensors4 flash_in_ragged_format(const at::Tensor& query, const at::Tensor& key,
+                                const at::Tensor& value, const at::Tensor& cu_q,
+                                const at::Tensor& cu_k, int64_t mq, int64_t mk,
+                                double dropout_p, bool is_causal, std::optional<double> scale,
+                                const std::string& why_not) {
+  const bool square = cu_q.is_same(cu_k) || cu_q.data_ptr() == cu_k.data_ptr();
+  TORCH_CHECK(dropout_p == 0.0 && (!is_causal || square),
+              "openwam::sdpa_varlen: cuDNN could not build its ragged graph for this call (",
+              why_not, "), and FlashAttention-2 varlen cannot stand in ",
+              dropout_p > 0.0 ? "with dropout" : "for a causal mask with s_q != s_k",
+              "; OPENWAM_SDPA_VARLEN=block_diagonal runs it without a fused engine");
+  TORCH_WARN_ONCE("openwam::sdpa_varlen: cuDNN could not build its ragged graph (", why_not,
+                  "); FlashAttention-2 varlen runs such calls");
+  auto [out, lse, rng_state, rng_offset, debug] = at::_flash_attention_forward(
+      rows(query), rows(key), rows(value), cu_q, cu_k, mq, mk, 0.0, is_causal,
+      /*return_debug_mask=*/false, scale);
+  return {out.contiguous(), lse.t().unsqueeze(-1).contiguous(), no_rng(query), no_rng(query)};
+}
+#endif
+
 Tensors4 cuda_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                       const at::Tensor& cu_q_in, const at::Tensor& cu_k_in, c10::SymInt max_q,
                       c10::SymInt max_k, double dropout_p, bool is_causal,
@@ -219,16 +248,23 @@ Tensors4 cuda_forward(const at::Tensor& query, const at::Tensor& key, const at::
   }
   TORCH_CHECK(b == VarlenBackend::kCudnnRagged, "openwam::_sdpa_varlen: the ", to_string(b),
               " engine runs on the CPU only");
-  auto result = at::_cudnn_attention_forward(rows(query), rows(key), rows(value), std::nullopt,
-                                             cu_q, cu_k, mq, mk,
-                                             /*compute_log_sumexp=*/true, dropout_p, is_causal,
-                                             /*return_debug_mask=*/false, scale);
-  at::Tensor seed = std::get<6>(result), offset = std::get<7>(result);
-  if (dropout_p == 0.0) {
-    seed = no_rng(query);
-    offset = no_rng(query);
+#ifdef OPENWAM_WITH_CUDNN_FRONTEND
+  frontend::RaggedForward f;
+  std::string why_not;
+  if (frontend::ragged_forward(rows(query), rows(key), rows(value), cu_q, cu_k, mq, mk,
+                               dropout_p, is_causal, scale, /*training=*/true, f, why_not)) {
+    if (dropout_p == 0.0) {
+      f.philox_seed = no_rng(query);
+      f.philox_offset = no_rng(query);
+    }
+    return {f.out, f.logsumexp, f.philox_seed, f.philox_offset};
   }
-  return {std::get<0>(result).contiguous(), std::get<1>(result).contiguous(), seed, offset};
+  return flash_in_ragged_format(query, key, value, cu_q, cu_k, mq, mk, dropout_p, is_causal,
+                                scale, why_not);
+#else
+  TORCH_CHECK(false, "openwam::_sdpa_varlen: cuDNN's ragged layout needs a build with the "
+              "cuDNN frontend");
+#endif
 }
 
 Tensors3 cuda_backward(const at::Tensor& grad_out, const at::Tensor& query,
@@ -253,10 +289,24 @@ Tensors3 cuda_backward(const at::Tensor& grad_out, const at::Tensor& query,
   }
   TORCH_CHECK(b == VarlenBackend::kCudnnRagged, "openwam::_sdpa_varlen_backward: the ",
               to_string(b), " engine runs on the CPU only");
-  auto [dq, dk, dv] = at::_cudnn_attention_backward(
-      go, rows(query), rows(key), rows(value), out, logsumexp, rng_state, rng_offset,
-      at::Tensor(), cu_q, cu_k, mq, mk, dropout_p, is_causal, scale);
+#ifdef OPENWAM_WITH_CUDNN_FRONTEND
+  Tensors3 grads;
+  std::string why_not;
+  if (frontend::ragged_backward(go, rows(query), rows(key), rows(value), out, logsumexp,
+                                rng_state, rng_offset, cu_q, cu_k, mq, mk, dropout_p,
+                                is_causal, scale, grads, why_not)) {
+    return grads;
+  }
+  // The forward found no graph either and ran FlashAttention-2 (above).
+  auto [dq, dk, dv] = at::_flash_attention_backward(
+      go, rows(query), rows(key), rows(value), out,
+      logsumexp.squeeze(-1).t().contiguous(), cu_q, cu_k, mq, mk, dropout_p, is_causal,
+      rng_state, rng_offset, scale);
   return {dq.contiguous(), dk.contiguous(), dv.contiguous()};
+#else
+  TORCH_CHECK(false, "openwam::_sdpa_varlen_backward: cuDNN's ragged layout needs a build "
+              "with the cuDNN frontend");
+#endif
 }
 #endif  // OPENWAM_WITH_CUDA
 

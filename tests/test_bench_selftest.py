@@ -53,6 +53,16 @@ def test_op_benchmark_selftest(tmp_path):
     assert pngs == (["adversarial.png"] if has_matplotlib() else [])
 
 
+def test_varlen_attention_benchmark_selftest(tmp_path):
+    selftest("bench_varlen_attention.py", tmp_path)
+    result = json.loads((tmp_path / "varlen_attention.json").read_text())
+    # one token count x (16/16, 16/4 heads) x (causal, not); both engines in every section
+    assert len(result["paired"]) == 4
+    assert all({"cudnn_ragged", "flash_varlen"} <= set(r["runs"]) for r in result["paired"])
+    assert {r["tokens"] for r in result["memory"]} == {r["tokens"] for r in result["paired"]}
+    assert set(result["run"]) == {"cudnn_ragged", "flash_varlen"}
+
+
 def test_a_failed_case_keeps_its_row_and_says_why(tmp_path):
     selftest("bench_sdpa.py", tmp_path)
     bench = load_benchmark("bench_sdpa.py")

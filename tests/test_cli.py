@@ -343,11 +343,12 @@ def guards_json(capsys, *args):
     return json.loads(out)
 
 
-# ragged_wrong (sdpa_varlen's cuDNN engine) covers every known version, measured on 9.19.0.
+# ragged_unmeasured (after 9.19.0) and ragged_unmeasured_old (before) keep sdpa_varlen's
+# cuDNN engine off everywhere but 9.19.0, where it was measured.
 @pytest.mark.parametrize("cudnn,applying,status", [
-    ("9.19.0", {"key_tail_nan_dq_9.19", "sq1_nan_dk_dv_9.19", "ragged_wrong_9.19"}, "measured"),
-    ("9.20.0", {"key_tail_nan_dq", "sq1_nan_dk_dv", "ragged_wrong"}, "conservative"),
-    ("9.26.0", {"bhsq1_backward_plan_segfault", "sq1_nan_dk_dv", "ragged_wrong"}, "fixed"),
+    ("9.19.0", {"key_tail_nan_dq_9.19", "sq1_nan_dk_dv_9.19"}, "measured"),
+    ("9.20.0", {"key_tail_nan_dq", "sq1_nan_dk_dv", "ragged_unmeasured"}, "conservative"),
+    ("9.26.0", {"bhsq1_backward_plan_segfault", "sq1_nan_dk_dv", "ragged_unmeasured"}, "fixed"),
     ("9.27.0", set(), "unverified"),
 ])
 def test_guards_for_a_given_cudnn(capsys, cudnn, applying, status):

@@ -237,8 +237,9 @@ def test_compiled_leaf_ops_match_eager(backend, dynamic):
 # The frontend's telemetry and graph cache (the op's own cuDNN graphs: CUDA only)
 # --------------------------------------------------------------------------
 
-FRONTEND_COUNTERS = ("forward_graphs_built", "backward_graphs_built", "graph_build_failures",
-                     "graph_cache_evictions", "aten_fallback_calls", "padding_mask_backwards")
+FRONTEND_COUNTERS = ("forward_graphs_built", "backward_graphs_built", "ragged_graphs_built",
+                     "graph_build_failures", "graph_cache_evictions", "aten_fallback_calls",
+                     "padding_mask_backwards")
 
 
 def test_frontend_stats_count_nothing_on_the_cpu(ow):

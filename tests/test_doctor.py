@@ -259,9 +259,9 @@ def test_rows_of_one_defect_on_the_real_table():
     their defect; elsewhere the general rows apply."""
     rules = doctor.ops.guard_rules()
     assert [r["name"] for r in doctor.rules_for(91900, rules)] == [
-        "key_tail_nan_dq_9.19", "sq1_nan_dk_dv_9.19", "ragged_wrong_9.19"]
+        "key_tail_nan_dq_9.19", "sq1_nan_dk_dv_9.19"]
     assert [r["name"] for r in doctor.rules_for(92000, rules)] == [
-        "key_tail_nan_dq", "sq1_nan_dk_dv", "ragged_wrong"]
+        "key_tail_nan_dq", "sq1_nan_dk_dv", "ragged_unmeasured"]
     assert doctor.defect_of("key_tail_nan_dq_9.19") == doctor.defect_of("key_tail_nan_dq")
     assert doctor.defect_of("bhsq1_backward_plan_segfault") == "bhsq1_backward_plan_segfault"
 

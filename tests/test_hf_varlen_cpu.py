@@ -24,10 +24,10 @@ LAYERS, STEPS = 2, 3
 LENGTHS = (9, 1, 17, 5, 12)
 
 
-def tiny_model(arch, attn="openwam_sdpa"):
+def tiny_model(arch, attn="openwam_sdpa", use_cache=False):
     common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                  use_cache=False)
+                  use_cache=use_cache)
     config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch](**common)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn)
@@ -98,6 +98,23 @@ def test_packed_training_matches_padded(arch, flash_kwargs):
     assert all(torch.isfinite(torch.tensor(packed_losses)))
     torch.testing.assert_close(torch.tensor(packed_losses), torch.tensor(padded_losses),
                                rtol=2e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("use_cache", [False, True], ids=["use_cache_off", "model_default"])
+def test_packed_position_ids_give_the_per_sequence_loss_whatever_use_cache(use_cache):
+    """transformers looks for packed position_ids only with use_cache off: with
+    a model's default (use_cache=True) its "sdpa" and "eager" attend across
+    sequence boundaries (a Llama on the GPU: loss 4.850 against the
+    per-sequence 4.870; docs/varlen.md). The "openwam_sdpa" implementation
+    reads the restarting position_ids itself: the per-sequence loss either
+    way, on sdpa_varlen."""
+    batch = packed_batch(False)
+    model = tiny_model("llama", use_cache=use_cache)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        packed = token_sum_loss(model, batch)
+    padded = token_sum_loss(tiny_model("llama", use_cache=use_cache), padded_batch())
+    assert sum(e.count for e in prof.key_averages() if e.key == "openwam::sdpa_varlen") == LAYERS
+    torch.testing.assert_close(packed, padded, rtol=2e-5, atol=1e-4)
 
 
 def test_packed_matches_hf_sdpa_block_diagonal_mask():

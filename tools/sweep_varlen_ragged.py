@@ -7,8 +7,10 @@ backward through sdpa_varlen's leaf op (no guard row in the way), and
 records the non-finite counts of out, dQ, dK and dV, their max errors against
 F.sdpa on each sequence alone in float64, the same errors of stock F.sdpa on
 the padded batch (efficient attention, and cuDNN with its NaN counted), and
-the time of one forward+backward. The guard rows `ragged_wrong_9.19`
-(measured with it) and `ragged_wrong` (csrc/guards.cpp) come from it. The
+the time of one forward+backward. Through ATen's own ragged call it found
+that layout wrong on cuDNN 9.19 (pytorch #186142); on the frontend's graphs
+(csrc/cudnn_frontend/ragged_engine.h) it admits the engine there, and the
+guard row `ragged_unmeasured` keeps every other version off. The
 leaf runs outside the op's decision: FlashAttention-2's causal cells with
 s_q != s_k show its bottom-right alignment, which sdpa_varlen never uses
 (those calls take the block-diagonal fallback).
@@ -246,6 +248,9 @@ CELLS = {
                                False),
     "batch1_one_query": ([1], [192], dict(D=128, low="first"), False),
     "batch1_one_query_causal": ([1], [192], dict(D=128, low="first"), True),
+    # Head dims and dtypes beyond the defaults.
+    "gqa_d256_fp16": ([192, 320, 1], None, dict(D=256, H=8, Hkv=2, dtype=torch.float16), True),
+    "d192": ([192, 64, 320], None, dict(D=192), False),
     # Mixed, ordinary rows: lengths of 1, empty sequences, s_q != s_k.
     "mixed_ordinary": ([5, 1, 300, 0, 77], None, dict(D=128, low="none"), True),
     "cross_lengths": ([40, 3, 130], [70, 200, 5], dict(D=64, low="none"), True),
@@ -264,7 +269,8 @@ def sweep_cell(name: str, engines):
     stock_cudnn = padded_stock(p, causal, SDPBackend.CUDNN_ATTENTION)
     for engine in engines:
         row = {"cell": name, "engine": engine, "lens_q": lens_q, "lens_k": lens_k or lens_q,
-               "is_causal": causal, **{k: v for k, v in make.items()},
+               "is_causal": causal, **{k: str(v) if isinstance(v, torch.dtype) else v
+                                       for k, v in make.items()},
                "low_rows": len(p.low_rows)}
         try:
             r = run_engine(engine, p, causal)

@@ -49,12 +49,22 @@ struct SdpaGraphKey {
   bool is_causal = false;
   bool padding_mask = false;  // cuDNN's padding mask at the full lengths
   double dropout_p = 0.0;
+  // The ragged layout (sdpa_varlen): q/k/v/o are packed [total, heads, E]
+  // buffers seen as [B, H, S, E] with per-sequence offsets, B and S the
+  // buckets of the sequence count and the longest sequence (ragged_engine.h),
+  // the padding mask carries the true lengths, and the logsumexp is packed
+  // [total_q, H, 1] too. The backward sizes its dQ accumulator by the
+  // bucketed total token counts.
+  bool ragged = false;
+  int64_t max_total_q = 0;
+  int64_t max_total_kv = 0;
 
   bool operator==(const SdpaGraphKey& o) const {
     return device == o.device && bf16 == o.bf16 && pass == o.pass && q == o.q && k == o.k &&
            v == o.v && this->o == o.o && grad_out == o.grad_out && dq == o.dq &&
            dk == o.dk && dv == o.dv && bias == o.bias && is_causal == o.is_causal &&
-           padding_mask == o.padding_mask && dropout_p == o.dropout_p;
+           padding_mask == o.padding_mask && dropout_p == o.dropout_p && ragged == o.ragged &&
+           max_total_q == o.max_total_q && max_total_kv == o.max_total_kv;
   }
   bool operator!=(const SdpaGraphKey& o) const { return !(*this == o); }
 
@@ -63,7 +73,9 @@ struct SdpaGraphKey {
     const auto mix = [&h](uint64_t x) { h = (h ^ x) * 1099511628211ULL; };
     mix(static_cast<uint64_t>(device));
     mix((bf16 ? 1u : 0u) | (is_causal ? 2u : 0u) | (padding_mask ? 4u : 0u) |
-        (static_cast<uint64_t>(pass) << 3));
+        (ragged ? 8u : 0u) | (static_cast<uint64_t>(pass) << 4));
+    mix(static_cast<uint64_t>(max_total_q));
+    mix(static_cast<uint64_t>(max_total_kv));
     mix(std::hash<double>{}(dropout_p));
     for (const Layout* l : {&q, &k, &v, &this->o, &grad_out, &dq, &dk, &dv, &bias}) {
       for (int i = 0; i < 4; ++i) {
@@ -91,6 +103,10 @@ struct SdpaGraphKey {
     if (is_causal) s << ", causal";
     if (dropout_p > 0.0) s << ", dropout " << dropout_p;
     if (padding_mask) s << ", padding mask";
+    if (ragged) {
+      s << ", ragged";
+      if (pass == Pass::kBackward) s << " (max total " << max_total_q << "/" << max_total_kv << ")";
+    }
     return s.str();
   }
 };

@@ -2,13 +2,8 @@
 // frontend (sdpa_graphs.h) rather than through ATen's private wrappers, which
 // hide cuDNN's padding mask, the fix at the source of both backward defects.
 //
-// Each graph is validated and built once per configuration (graph_key.h) and
-// kept in a bounded cache shared by every thread (the backward runs on
-// autograd's device thread). Tensors are bound at execution; the workspace
-// comes from PyTorch's caching allocator, the handle is ATen's for this device
-// and thread, on the current stream. No host synchronisation: capturable in a
-// CUDA graph. CUDA builds with the frontend's headers only
-// (OPENWAM_WITH_CUDNN_FRONTEND).
+// Graphs are built once per configuration and run as graph_runner.h says.
+// CUDA builds with the frontend's headers only (OPENWAM_WITH_CUDNN_FRONTEND).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -44,12 +39,5 @@ bool sdpa_backward(const at::Tensor& grad_out, const at::Tensor& query, const at
                    const at::Tensor& bias, double dropout_p, bool is_causal,
                    std::optional<double> scale, bool padding_mask,
                    std::tuple<at::Tensor, at::Tensor, at::Tensor>& grads, std::string& why_not);
-
-// Every configuration whose graph could not be built in this process, as
-// "<configuration>: <reason>", oldest first (explain() and the doctor).
-std::vector<std::string> build_failures();
-
-// Drops every cached graph (tests that count builds start from a clean cache).
-void clear_graph_cache();
 
 }  // namespace openwam::frontend

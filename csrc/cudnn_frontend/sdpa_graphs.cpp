@@ -45,6 +45,17 @@ void output(const TensorPtr& t, Uid uid, const Layout& l) {
   t->set_output(true).set_uid(uid).set_dim(vec(l.sizes)).set_stride(vec(l.strides));
 }
 
+// The ragged layout: each packed tensor reads its sequences' offsets from a
+// tensor of its own (uid), bound at execution.
+void ragged(fe::graph::Graph& g, const TensorPtr& t, Uid uid, int64_t batch) {
+  t->set_ragged_offset(g.tensor(fe::graph::Tensor_attributes()
+                                    .set_uid(uid)
+                                    .set_name("ragged_offset")
+                                    .set_dim({batch + 1, 1, 1, 1})
+                                    .set_stride({1, 1, 1, 1})
+                                    .set_data_type(fe::DataType_t::INT64)));
+}
+
 // The options both passes share: scale, mask, dropout, padding mask.
 template <typename Attributes>
 void common_options(fe::graph::Graph& g, const SdpaGraphKey& key, Attributes& a) {
@@ -58,10 +69,11 @@ void common_options(fe::graph::Graph& g, const SdpaGraphKey& key, Attributes& a)
                   scalar_input(g, kSeed, "dropout_seed", fe::DataType_t::INT64, false),
                   scalar_input(g, kOffset, "dropout_offset", fe::DataType_t::INT64, false));
   }
-  if (key.padding_mask) {
-    // Lengths equal to the full sizes: nothing is masked, but the kernels
-    // then bound the last key tile by s_kv, which is what removes the
-    // backward defects (cudnn-frontend #160 and #1072).
+  if (key.padding_mask || key.ragged) {
+    // Dense: lengths equal to the full sizes, so nothing is masked, but the
+    // kernels then bound the last key tile by s_kv, which is what removes
+    // the backward defects (cudnn-frontend #160 and #1072). Ragged: each
+    // sequence's true lengths.
     a.set_padding_mask(true)
         .set_seq_len_q(lengths(g, kSeqLenQ, "seq_len_q", key.q.sizes[0]))
         .set_seq_len_kv(lengths(g, kSeqLenKv, "seq_len_kv", key.q.sizes[0]));
@@ -77,7 +89,14 @@ std::shared_ptr<fe::graph::Graph> describe_graph(const SdpaGraphKey& key) {
   const TensorPtr k = input(*g, kK, "k", key.k);
   const TensorPtr v = input(*g, kV, "v", key.v);
   const int64_t b = key.q.sizes[0], h = key.q.sizes[1], s_q = key.q.sizes[2];
-  const Layout stats{{b, h, s_q, 1}, {h * s_q, s_q, 1, 1}};
+  // float32 [B, H, S, 1]; ragged: packed [total_q, H, 1].
+  const Layout stats = key.ragged ? Layout{{b, h, s_q, 1}, {s_q * h, 1, h, 1}}
+                                  : Layout{{b, h, s_q, 1}, {h * s_q, s_q, 1, 1}};
+  if (key.ragged) {
+    ragged(*g, q, kRaggedQ, b);
+    ragged(*g, k, kRaggedK, b);
+    ragged(*g, v, kRaggedV, b);
+  }
   if (key.pass == Pass::kBackward) {
     fe::graph::SDPA_backward_attributes a;
     a.set_name("openwam_sdpa_backward");
@@ -86,10 +105,21 @@ std::shared_ptr<fe::graph::Graph> describe_graph(const SdpaGraphKey& key) {
     const TensorPtr go = input(*g, kGradOut, "grad_out", key.grad_out);
     const TensorPtr lse = input(*g, kStats, "stats", stats);
     lse->set_data_type(fe::DataType_t::FLOAT);
+    if (key.ragged) {
+      ragged(*g, o, kRaggedO, b);
+      go->set_ragged_offset(o->get_ragged_offset());
+      ragged(*g, lse, kRaggedStats, b);
+      a.set_max_total_seq_len_q(key.max_total_q).set_max_total_seq_len_kv(key.max_total_kv);
+    }
     auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, go, lse, a);
     output(dq, kGradQ, key.dq);
     output(dk, kGradK, key.dk);
     output(dv, kGradV, key.dv);
+    if (key.ragged) {
+      ragged(*g, dq, kRaggedGradQ, b);
+      ragged(*g, dk, kRaggedGradKv, b);
+      dv->set_ragged_offset(dk->get_ragged_offset());
+    }
   } else {
     fe::graph::SDPA_attributes a;
     a.set_name("openwam_sdpa_forward");
@@ -97,9 +127,15 @@ std::shared_ptr<fe::graph::Graph> describe_graph(const SdpaGraphKey& key) {
     common_options(*g, key, a);
     auto [o, lse] = g->sdpa(q, k, v, a);
     output(o, kO, key.o);
+    if (key.ragged) {
+      ragged(*g, o, kRaggedO, b);
+    }
     if (key.pass == Pass::kTraining) {
       output(lse, kStats, stats);
       lse->set_data_type(fe::DataType_t::FLOAT);
+      if (key.ragged) {
+        ragged(*g, lse, kRaggedStats, b);
+      }
     }
   }
   return g;

@@ -32,6 +32,15 @@ enum Uid : int64_t {
   kGradV,
   kSeqLenQ,   // int32 [B, 1, 1, 1]: the padding mask's lengths
   kSeqLenKv,
+  // The ragged layout: int64 [B + 1, 1, 1, 1] element offsets of each
+  // sequence's first row in a packed buffer (grad_out shares the output's).
+  kRaggedQ,
+  kRaggedK,
+  kRaggedV,
+  kRaggedO,
+  kRaggedStats,
+  kRaggedGradQ,
+  kRaggedGradKv,
 };
 
 class BuiltGraph {

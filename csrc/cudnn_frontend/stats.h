@@ -1,5 +1,6 @@
 // Telemetry of the cuDNN frontend path, read by openwam_sdpa.frontend_stats():
-// how many graphs were built (a steady state builds none), how many could not
+// how many graphs were built (a steady state builds none; sdpa_varlen's
+// ragged graphs apart), how many could not
 // be built, how many calls took the ATen fallback, and how many backward
 // calls ran with the padding mask. Host counters only: reading them never
 // synchronises. A CUDA graph replay runs no host code and counts nothing.
@@ -13,6 +14,7 @@ namespace openwam::frontend {
 struct Stats {
   std::atomic<int64_t> forward_graphs_built{0};
   std::atomic<int64_t> backward_graphs_built{0};
+  std::atomic<int64_t> ragged_graphs_built{0};  // sdpa_varlen's, both passes
   std::atomic<int64_t> graph_build_failures{0};
   std::atomic<int64_t> graph_cache_evictions{0};
   std::atomic<int64_t> aten_fallback_calls{0};

@@ -11,7 +11,7 @@
 #ifdef OPENWAM_WITH_CUDNN_FRONTEND
 #include <cudnn_frontend_version.h>
 
-#include "../cudnn_frontend/sdpa_engine.h"
+#include "../cudnn_frontend/graph_runner.h"
 #endif
 
 #include "../cudnn_attention.h"
@@ -93,6 +93,7 @@ py::dict frontend_stats(bool reset) {
   };
   d["forward_graphs_built"] = read(s.forward_graphs_built);
   d["backward_graphs_built"] = read(s.backward_graphs_built);
+  d["ragged_graphs_built"] = read(s.ragged_graphs_built);
   d["graph_build_failures"] = read(s.graph_build_failures);
   d["graph_cache_evictions"] = read(s.graph_cache_evictions);
   d["aten_fallback_calls"] = read(s.aten_fallback_calls);

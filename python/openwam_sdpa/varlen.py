@@ -64,16 +64,16 @@ def varlen_sdpa(
     cu_seqlens would synchronise with the GPU). ``is_causal`` is aligned
     top-left per sequence, as F.sdpa's: query row i of a sequence sees its
     keys 0..i. Where a sequence's s_q != s_k that differs from flash-attn's
-    bottom-right alignment; FlashAttention-2 then serves only calls whose
-    cu_seqlens_q and cu_seqlens_k are one tensor (every sequence square), and
-    other causal calls run on the block-diagonal fallback.
+    bottom-right alignment, so FlashAttention-2 serves causal calls only where
+    cu_seqlens_q and cu_seqlens_k are one tensor (every sequence square).
 
-    The engine is chosen per call (explain_varlen() says which): on CUDA,
-    ATen's FlashAttention-2 varlen for fp16/bf16 with head_dim <= 256 and a
-    multiple of 8; cuDNN's ragged layout only with OPENWAM_SDPA_VARLEN=cudnn;
-    otherwise openwam_sdpa.sdpa over the packed batch with a block-diagonal
-    mask (O(total_q * total_k) memory). On the CPU an exact per-sequence
-    reference (no dropout).
+    The engine is chosen per call (explain_varlen() says which). On CUDA, for
+    fp16/bf16 with head_dim <= 256 and a multiple of 8: cuDNN's ragged layout
+    on the op's own graphs where the guard table lets it run (the cuDNN this
+    project measured), else ATen's FlashAttention-2 varlen; otherwise
+    openwam_sdpa.sdpa over the packed batch with a block-diagonal mask
+    (O(total_q * total_k) memory). On the CPU an exact per-sequence reference
+    (no dropout).
 
     Arguments of other types raise F.sdpa's TypeError for them (a bool
     is_causal, an int max_seqlen_q, a tensor cu_seqlens_q...).

@@ -55,6 +55,9 @@ std::vector<Change> every_change() {
       {"padding_mask", [](SdpaGraphKey& k) { k.padding_mask = !k.padding_mask; }},
       {"dropout_p", [](SdpaGraphKey& k) { k.dropout_p = 0.1; }},
       {"bias absent", [](SdpaGraphKey& k) { k.bias = Layout{}; }},
+      {"ragged", [](SdpaGraphKey& k) { k.ragged = !k.ragged; }},
+      {"max_total_q", [](SdpaGraphKey& k) { k.max_total_q += 64; }},
+      {"max_total_kv", [](SdpaGraphKey& k) { k.max_total_kv += 64; }},
   };
   const std::pair<const char*, Layout SdpaGraphKey::*> layouts[] = {
       {"q", &SdpaGraphKey::q},   {"k", &SdpaGraphKey::k},   {"v", &SdpaGraphKey::v},
@@ -93,7 +96,7 @@ TEST_CASE("graph key: every field changes the key and its hash", "[frontend]") {
   std::unordered_set<SdpaGraphKey, SdpaGraphKeyHash> keys{base};
   std::unordered_set<size_t> hashes{base.hash()};
   const std::vector<Change> changes = every_change();
-  REQUIRE(changes.size() == 8 + 9 * 4 * 2);
+  REQUIRE(changes.size() == 11 + 9 * 4 * 2);
   for (const auto& [name, change] : changes) {
     CAPTURE(name);
     SdpaGraphKey changed = base;
@@ -165,4 +168,15 @@ TEST_CASE("graph key: describe() names the graph for a message", "[frontend]") {
         "forward graph, fp16, q [1, 2, 3, 16] strides [96, 48, 16, 1], "
         "k [1, 2, 5, 16] strides [160, 80, 16, 1], v [1, 2, 5, 32] strides [320, 160, 32, 1], "
         "dropout 0.25");
+  // A ragged backward names its dQ accumulator's bucket.
+  SdpaGraphKey ragged = fwd;
+  ragged.pass = Pass::kBackward;
+  ragged.dropout_p = 0.0;
+  ragged.ragged = true;
+  ragged.max_total_q = 4096;
+  ragged.max_total_kv = 8192;
+  CHECK(ragged.describe() ==
+        "backward graph, fp16, q [1, 2, 3, 16] strides [96, 48, 16, 1], "
+        "k [1, 2, 5, 16] strides [160, 80, 16, 1], v [1, 2, 5, 32] strides [320, 160, 32, 1], "
+        "ragged (max total 4096/8192)");
 }

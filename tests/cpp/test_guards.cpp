@@ -83,7 +83,7 @@ TEST_CASE("guard_rules: the rows, in order", "[guards]") {
   CHECK(names == std::vector<std::string>{"bhsq1_backward_plan_segfault",
                                           "key_tail_nan_dq_9.19", "key_tail_nan_dq",
                                           "sq1_nan_dk_dv_9.19", "sq1_nan_dk_dv",
-                                          "ragged_wrong_9.19", "ragged_wrong"});
+                                          "ragged_unmeasured", "ragged_unmeasured_old"});
   // warn_once has a flag for every row only up to kMaxGuardRules.
   CHECK(openwam::guard_rules().size() <= openwam::kMaxGuardRules);
 }
@@ -508,25 +508,25 @@ TEST_CASE("warn_once: one warning per rule per process", "[guards]") {
   }
 }
 
-TEST_CASE("rules ragged_wrong_9.19 (measured) and ragged_wrong: ragged calls only, every version",
+TEST_CASE("rules ragged_unmeasured(_old): ragged calls, every version but 9.19.0",
           "[guards]") {
-  const GuardRule& measured = rule("ragged_wrong_9.19");
-  const GuardRule& r = rule("ragged_wrong");
-  CHECK(measured.fix == Fix::kAvoidCudnn);
-  CHECK(measured.measured.contains(k9_19_0));
-  CHECK(r.fix == Fix::kAvoidCudnn);
-  CHECK(r.measured.empty());
+  const GuardRule& after = rule("ragged_unmeasured");
+  const GuardRule& before = rule("ragged_unmeasured_old");
+  for (const GuardRule* r : {&after, &before}) {
+    CHECK(r->fix == Fix::kAvoidCudnn);
+    CHECK(r->measured.empty());
+  }
   for (long version : {k9_7_1, k9_19_0, k9_26_0}) {
     for (int64_t s_q : {1, 64}) {
       CAPTURE(version, s_q);
       CallShape dense = shape(1, 1, s_q, 192, 128);
-      CHECK_FALSE(r.covers(dense, version));
-      CHECK_FALSE(measured.covers(dense, version));
+      CHECK_FALSE(after.covers(dense, version));
+      CHECK_FALSE(before.covers(dense, version));
       CallShape ragged = dense;
       ragged.ragged = true;
-      // Exactly one of the two speaks for a ragged call: the measured row on 9.19.0.
-      CHECK(measured.covers(ragged, version) == (version == k9_19_0));
-      CHECK(r.covers(ragged, version) == (version != k9_19_0));
+      // 9.19.0 is the version the admission sweep measured: neither row there.
+      CHECK(after.covers(ragged, version) == (version > k9_19_0));
+      CHECK(before.covers(ragged, version) == (version < k9_19_0));
     }
   }
   // check_guards (openwam::sdpa's dense calls) never meets a ragged row.

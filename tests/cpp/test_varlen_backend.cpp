@@ -1,7 +1,7 @@
 // sdpa_varlen's engine choice (csrc/varlen_backend.h): decide_varlen(call,
 // preference, stack) with a posed stack, on CPU tensors standing in for CUDA
 // ones (the decision reads only metadata). Every preference, the guard row of
-// the ragged layout, and FlashAttention-2's limits.
+// the ragged layout, and the fused engines' limits.
 #include <ATen/ATen.h>
 
 #include <string>
@@ -64,42 +64,55 @@ TEST_CASE("varlen: the CPU takes the reference, except block_diagonal", "[varlen
   CHECK(p.decide(VarlenPreference::kBlockDiagonal, cpu).backend == VarlenBackend::kBlockDiagonal);
 }
 
-TEST_CASE("varlen: FlashAttention-2 by default on CUDA, within its limits", "[varlen]") {
-  CHECK(Packed().decide(VarlenPreference::kAuto, cuda_stack()).backend == VarlenBackend::kFlash);
-  CHECK(Packed(at::kHalf, 256).decide(VarlenPreference::kAuto, cuda_stack()).backend ==
-        VarlenBackend::kFlash);
-  // Beyond them: the block-diagonal fallback (cuDNN's ragged layout is
-  // guarded off by ragged_wrong_9.19, measured, whose name the decision carries).
+TEST_CASE("varlen: cuDNN's ragged layout by default on a measured cuDNN", "[varlen]") {
+  for (const Packed& p : {Packed(), Packed(at::kHalf, 256), Packed(at::kBFloat16, 64),
+                          Packed(at::kBFloat16, 128, 128, /*one_cu=*/false)}) {
+    const VarlenDecision d = p.decide(VarlenPreference::kAuto, cuda_stack());
+    CHECK(d.backend == VarlenBackend::kCudnnRagged);
+    CHECK(d.rule == nullptr);
+  }
+  // Without FlashAttention-2 too: the engines do not depend on each other.
+  CHECK(Packed().decide(VarlenPreference::kAuto, cuda_stack(/*flash=*/false)).backend ==
+        VarlenBackend::kCudnnRagged);
+  // Beyond what both fused engines take: the block-diagonal fallback.
   for (const Packed& p : {Packed(at::kFloat), Packed(at::kBFloat16, 264),
                           Packed(at::kBFloat16, 100), Packed(at::kBFloat16, 128, 64)}) {
-    const VarlenDecision d = p.decide(VarlenPreference::kAuto, cuda_stack());
-    CHECK(d.backend == VarlenBackend::kBlockDiagonal);
+    CHECK(p.decide(VarlenPreference::kAuto, cuda_stack()).backend ==
+          VarlenBackend::kBlockDiagonal);
   }
-  const VarlenDecision d = Packed(at::kBFloat16, 128, 128, /*one_cu=*/false)
-                               .decide(VarlenPreference::kAuto, cuda_stack());
-  CHECK(d.backend == VarlenBackend::kBlockDiagonal);
-  CHECK(rule_name(d) == "ragged_wrong_9.19");
+}
+
+TEST_CASE("varlen: an unmeasured cuDNN takes FlashAttention-2, within its limits", "[varlen]") {
+  const VarlenStack unmeasured = cuda_stack(true, nullptr, openwam::cudnn_version(9, 20, 0));
+  const VarlenDecision d = Packed().decide(VarlenPreference::kAuto, unmeasured);
+  CHECK(d.backend == VarlenBackend::kFlash);
+  CHECK(rule_name(d) == "ragged_unmeasured");
   CHECK_FALSE(d.rule_overridden);
+  // A causal call whose cu_seqlens_q and cu_seqlens_k differ: FlashAttention-2
+  // would align the mask bottom-right, so the block-diagonal fallback.
+  const VarlenDecision uneven = Packed(at::kBFloat16, 128, 128, /*one_cu=*/false)
+                                    .decide(VarlenPreference::kAuto, unmeasured);
+  CHECK(uneven.backend == VarlenBackend::kBlockDiagonal);
+  CHECK(rule_name(uneven) == "ragged_unmeasured");
   Packed not_causal(at::kBFloat16, 128, 128, /*one_cu=*/false);
   not_causal.is_causal = false;
-  CHECK(not_causal.decide(VarlenPreference::kAuto, cuda_stack()).backend == VarlenBackend::kFlash);
-  CHECK(Packed().decide(VarlenPreference::kAuto, cuda_stack(/*flash=*/false)).backend ==
+  CHECK(not_causal.decide(VarlenPreference::kAuto, unmeasured).backend == VarlenBackend::kFlash);
+  // cuDNN unavailable (no frontend in the build, OPENWAM_SDPA_FRONTEND=0, no cuDNN).
+  CHECK(Packed().decide(VarlenPreference::kAuto, cuda_stack(true, "no frontend")).backend ==
+        VarlenBackend::kFlash);
+  CHECK(Packed().decide(VarlenPreference::kAuto, cuda_stack(false, "no frontend")).backend ==
         VarlenBackend::kBlockDiagonal);
 }
 
-TEST_CASE("varlen: OPENWAM_SDPA_VARLEN=cudnn overrides the unmeasured ragged row only",
-          "[varlen]") {
+TEST_CASE("varlen: OPENWAM_SDPA_VARLEN=cudnn overrides the unmeasured ragged row", "[varlen]") {
   const VarlenStack unmeasured = cuda_stack(true, nullptr, openwam::cudnn_version(9, 20, 0));
   const VarlenDecision d = Packed().decide(VarlenPreference::kCudnn, unmeasured);
   CHECK(d.backend == VarlenBackend::kCudnnRagged);
-  CHECK(rule_name(d) == "ragged_wrong");
+  CHECK(rule_name(d) == "ragged_unmeasured");
   CHECK(d.rule_overridden);
-  // On 9.19.0 the row is measured (wrong dQ, a hang): the setting cannot
-  // send a call there.
-  const VarlenDecision held = Packed().decide(VarlenPreference::kCudnn, cuda_stack());
-  CHECK(held.backend == VarlenBackend::kFlash);
-  CHECK(rule_name(held) == "ragged_wrong_9.19");
-  CHECK_FALSE(held.rule_overridden);
+  const VarlenDecision measured = Packed().decide(VarlenPreference::kCudnn, cuda_stack());
+  CHECK(measured.backend == VarlenBackend::kCudnnRagged);
+  CHECK(measured.rule == nullptr);
   // Without cuDNN, or for inputs it cannot take: FlashAttention-2 or the fallback.
   CHECK(Packed(at::kFloat).decide(VarlenPreference::kCudnn, unmeasured).backend ==
         VarlenBackend::kBlockDiagonal);

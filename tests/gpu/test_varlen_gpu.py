@@ -1,21 +1,22 @@
 """sdpa_varlen on CUDA: every engine against F.sdpa applied to each sequence
 alone (float64), adversarial rows per sequence, CUDA graphs, autocast,
-torch.compile, explain_varlen, and the cuDNN ragged-layout sweep.
+torch.compile, explain_varlen, graph builds per batch, and the cuDNN
+ragged-layout sweep that admits the default engine.
 
-Engines: "flash" (ATen's FlashAttention-2 varlen, the default) and
-"block_diagonal" (openwam::sdpa over the packed batch with a block-diagonal
-mask) in this process; "cudnn" (the ragged layout, guarded off by the rows
-ragged_wrong_9.19 and ragged_wrong) only through tools/sweep_varlen_ragged.py
-in a child process per cell with a timeout: it hangs with one query per
-sequence on cuDNN 9.19.
+Engines: "cudnn" (cuDNN's ragged layout on the frontend's graphs, the default
+where the guard table lets it run), "flash" (ATen's FlashAttention-2 varlen)
+and "block_diagonal" (openwam::sdpa over the packed batch with a
+block-diagonal mask), all in this process; tools/sweep_varlen_ragged.py runs
+each sweep cell in a child process with a timeout (ATen's own ragged call hung
+there with one query per sequence; the frontend's graph must not).
 
 The error rule is the suite's (support.twice_stock_problem): against the
 float64 reference, at most twice the error of stock F.sdpa on the padded
 batch (efficient attention with a key-padding mask: finite where stock cuDNN
-is not) plus the bf16 floor. "Fully masked" rows do not exist in varlen
-(there is no mask); the nearest thing, query rows of a sequence without keys,
-is test_queries_without_keys (zero output, zero gradient, as F.sdpa per
-sequence gives).
+is not) plus the floor of the case's dtype. "Fully masked" rows do not exist
+in varlen (there is no mask); the nearest thing, query rows of a sequence
+without keys, is test_queries_without_keys (zero output, zero gradient, as
+F.sdpa per sequence gives). test_varlen_fuzz_gpu.py holds the fuzz.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ pytestmark = GPU_MARKS
 
 sweep = load_tool("sweep_varlen_ragged.py")
 DTYPE = torch.bfloat16
-IN_PROCESS_ENGINES = ("flash", "block_diagonal")
+IN_PROCESS_ENGINES = ("cudnn", "flash", "block_diagonal")
+BACKEND = {"cudnn": "cudnn_ragged", "flash": "flash_varlen", "block_diagonal": "block_diagonal"}
 # A sweep cell takes seconds (the import, then a few forward+backward); a
 # cell past this is recorded as a hang. Ten cells: at most ten minutes.
 SWEEP_CELL_TIMEOUT_S = 60
@@ -64,7 +66,7 @@ def run_public(p, engine_setting, engine, is_causal):
     return sweep._grads(out, p), e["backend"]
 
 
-def rule_problems(ours, stock, ref, rows=()):
+def rule_problems(ours, stock, ref, rows=(), dtype=DTYPE):
     """The error rule on out, dQ, dK, dV (max norm, the adversarial dQ rows
     left out and checked by their relative error as the suite does)."""
     problems = []
@@ -72,7 +74,7 @@ def rule_problems(ours, stock, ref, rows=()):
         x, s, r = getattr(ours, n), getattr(stock, n), getattr(ref, n)
         skip = list(rows) if n in ("out", "dq") else None
         problems.append(twice_stock_problem(n, sweep.max_err(x, r, skip),
-                                            sweep.max_err(s, r, skip), floor_for(r, DTYPE)))
+                                            sweep.max_err(s, r, skip), floor_for(r, dtype)))
     if rows:
         problems.append(twice_stock_problem(
             "adversarial dQ rows (relative error)", sweep.row_rel_err(ours.dq, ref.dq, rows),
@@ -95,6 +97,10 @@ CASES = {
     "adversarial_key_tail_causal": ([192, 320, 448, 576], None, dict(D=128), True),
     "adversarial_one_query_rows": ([1, 1, 1], [64, 192, 320], dict(D=128, low="first"), False),
     "adversarial_batch1_one_query": ([1], [192], dict(D=128, low="first"), False),
+    "adversarial_gqa_fp16_d256": ([192, 1, 320], None,
+                                  dict(D=256, H=8, Hkv=2, dtype=torch.float16), True),
+    "adversarial_d192_cross": ([64, 7, 1], [320, 448, 64], dict(D=192), False),
+    "empty_sequences_causal": ([5, 0, 9, 0, 1], None, dict(D=64, low="none"), True),
 }
 
 
@@ -110,6 +116,7 @@ def test_engine_within_twice_padded_stock(case, engine, engine_setting, suite_re
     assert stock is not None, "stock efficient attention refused the padded batch"
     ours, backend = run_public(p, engine_setting, engine, causal)
     stock_cudnn = sweep.padded_stock(p, causal, SDPBackend.CUDNN_ATTENTION)
+    dtype = make.get("dtype", DTYPE)
     name = next(k for k, v in CASES.items() if v is case)
     suite_results.put("varlen engines", f"{name} {engine}", backend=backend,
                       nonfinite=sum(nonfinite(t) for t in ours),
@@ -122,9 +129,9 @@ def test_engine_within_twice_padded_stock(case, engine, engine_setting, suite_re
         # bottom-right, so the op takes the fallback.
         assert backend == "block_diagonal"
     else:
-        assert backend == ("flash_varlen" if engine == "flash" else "block_diagonal")
+        assert backend == BACKEND[engine]
     assert sum(nonfinite(t) for t in ours) == 0
-    problems = rule_problems(ours, stock, ref, p.low_rows)
+    problems = rule_problems(ours, stock, ref, p.low_rows, dtype)
     assert not problems, "; ".join(problems)
 
 
@@ -163,32 +170,68 @@ def test_explain_on_cuda(engine_setting):
     p = sweep.packed_adversarial([16, 8], None, D=64, low="none")
     e = openwam_sdpa.explain_varlen(p.q, p.k, p.v, p.cu_q, p.cu_k, p.max_q, p.max_k,
                                     is_causal=True)
-    assert e["backend"] == "flash_varlen" and e["rule"] == ""
-    e = openwam_sdpa.explain_varlen(p.q, p.k, p.v, p.cu_q, p.cu_q.clone(), p.max_q, p.max_k,
-                                    is_causal=True)
-    assert e["backend"] == "block_diagonal" and "not one tensor" in e["flash_rejects"]
+    if cudnn_version() == 91900:  # measured right there: the default
+        assert e["backend"] == "cudnn_ragged" and e["rule"] == "", e
+    else:
+        assert e["backend"] == "flash_varlen" and e["rule"] == "ragged_unmeasured", e
     e = openwam_sdpa.explain_varlen(p.q.float(), p.k.float(), p.v.float(), p.cu_q, p.cu_k,
                                     p.max_q, p.max_k)
     assert e["backend"] == "block_diagonal"
+    engine_setting("flash")
+    e = openwam_sdpa.explain_varlen(p.q, p.k, p.v, p.cu_q, p.cu_q.clone(), p.max_q, p.max_k,
+                                    is_causal=True)
+    assert e["backend"] == "block_diagonal" and "not one tensor" in e["flash_rejects"]
     engine_setting("cudnn")
     e = openwam_sdpa.explain_varlen(p.q, p.k, p.v, p.cu_q, p.cu_k, p.max_q, p.max_k)
-    if e["cudnn_rejects"] == "" and cudnn_version() == 91900:
-        # Measured wrong there: no setting sends the call to cuDNN's ragged layout.
-        assert e["backend"] == "flash_varlen" and e["rule"] == "ragged_wrong_9.19"
-    elif e["cudnn_rejects"] == "":
-        assert e["backend"] == "cudnn_ragged"
-        assert e["rule"] == "ragged_wrong (overridden by OPENWAM_SDPA_VARLEN=cudnn)"
+    assert e["backend"] == "cudnn_ragged", e
+    if cudnn_version() != 91900:
+        assert e["rule"] == "ragged_unmeasured (overridden by OPENWAM_SDPA_VARLEN=cudnn)"
 
 
-def test_no_host_sync_and_cuda_graph(engine_setting):
-    """The flash engine's forward and backward capture into a CUDA graph
+def test_graph_builds_over_200_lognormal_batches(engine_setting, suite_results):
+    """A training run whose batches differ in sequence count and lengths
+    (lognormal, mu ln 256, sigma 0.9, about 4,096 tokens a batch) builds each
+    bucketed configuration's graphs once, not a graph per step: a forward
+    graph per (sequences, longest) bucket, a backward graph per (sequences,
+    longest, total tokens) bucket."""
+    import math
+    import random
+
+    engine_setting("cudnn")
+    openwam_sdpa.clear_graph_cache()
+    openwam_sdpa.frontend_stats(reset=True)
+    rng = random.Random(3)
+    forwards, backwards, builds = set(), set(), []
+    for step in range(200):
+        lens = []
+        while sum(lens) < 4096:
+            lens.append(max(16, min(2048, int(math.exp(rng.gauss(math.log(256), 0.9))))))
+        total, longest, n = sum(lens), max(lens), len(lens)
+        bucket = lambda x, lo: max(lo, 1 << (x - 1).bit_length())  # ragged_buckets.h
+        forwards.add((bucket(n, 1), bucket(longest, 64)))
+        backwards.add((bucket(n, 1), bucket(longest, 64), bucket(total, 64)))
+        q = torch.randn(total, 4, 64, device="cuda", dtype=DTYPE, requires_grad=True)
+        cu = torch.tensor([0] + list(__import__("itertools").accumulate(lens)),
+                          device="cuda", dtype=torch.int32)
+        openwam_sdpa.varlen_sdpa(q, q, q, cu, cu, longest, longest, is_causal=True).sum().backward()
+        builds.append(openwam_sdpa.frontend_stats()["ragged_graphs_built"])
+    suite_results.put("varlen graph builds", "200 lognormal batches",
+                      configurations=len(backwards), graphs_built=builds[-1],
+                      built_in_last_100_steps=builds[-1] - builds[99])
+    assert builds[-1] == len(forwards) + len(backwards), (builds[-1], sorted(backwards))
+    assert len(backwards) <= 12, sorted(backwards)
+
+
+@pytest.mark.parametrize("engine", ["cudnn", "flash"])
+def test_no_host_sync_and_cuda_graph(engine, engine_setting):
+    """The fused engines' forward and backward capture into a CUDA graph
     (a host sync inside would fail the capture) and replay to eager's result.
     Eager runs after the capture: a backward on the legacy default stream
     first would tie the leaves' gradient accumulators to that stream, and the
     capture would fail for any op (PyTorch's CUDA-graph notes: warm up on a
     side stream)."""
     p = sweep.packed_adversarial([37, 1, 200, 3], None, D=128, low="none")
-    engine_setting("flash")
+    engine_setting(engine)
 
     def step():
         out = openwam_sdpa.varlen_sdpa(p.q, p.k, p.v, p.cu_q, p.cu_k, p.max_q, p.max_k,
@@ -211,7 +254,8 @@ def test_no_host_sync_and_cuda_graph(engine_setting):
         assert torch.equal(a, b)
 
 
-def test_autocast_runs_in_bfloat16_on_flash():
+def test_autocast_runs_in_bfloat16_on_flash(engine_setting):
+    engine_setting("flash")
     p = sweep.packed_adversarial([37, 1, 200], None, D=128, low="none", dtype=torch.float32)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out = openwam_sdpa.varlen_sdpa(p.q, p.k, p.v, p.cu_q, p.cu_k, p.max_q, p.max_k,
@@ -252,20 +296,23 @@ def test_compile_dynamic_one_graph_for_every_batch(backend):
     torch._dynamo.reset()
 
 
-def test_opcheck_flash_leaf():
+@pytest.mark.parametrize("engine", ["flash", "cudnn"])
+def test_opcheck_fused_leaf(engine):
     p = sweep.packed_adversarial([37, 1, 64], None, D=64, low="none")
-    args = (p.q, p.k, p.v, p.cu_q, p.cu_k, p.max_q, p.max_k, 0.0, True, None, 1)
+    args = (p.q, p.k, p.v, p.cu_q, p.cu_k, p.max_q, p.max_k, 0.0, True, None,
+            sweep.ENGINE_BITS[engine])
     torch.library.opcheck(torch.ops.openwam._sdpa_varlen.default, args)
 
 
 @pytest.mark.parametrize("cell", list(sweep.CELLS))
 def test_cudnn_ragged_sweep(cell, suite_results):
-    """Records, per cell, what cuDNN's ragged layout does (non-finite counts,
-    errors, time) beside FlashAttention-2, each cell in a child process with a
-    timeout (a torch 2.7 probe hung at s_q == 1). Asserts only what the
-    default engine must give: FlashAttention-2 finite on every cell. Rows go
+    """The sweep that admits the ragged engine: per cell, in a child process
+    with a timeout (ATen's ragged call hung at s_q == 1), cuDNN's ragged
+    layout and FlashAttention-2 run the leaf op; both must finish, and be
+    finite where stock cuDNN on the padded batch was not. Errors and times go
     to gpu_suite_results (section "varlen cuDNN ragged sweep") and
-    $OUT/varlen_ragged_sweep/<cell>.json."""
+    $OUT/varlen_ragged_sweep/<cell>.json; the accuracy rule on the same
+    kinds of batches is test_engine_within_twice_padded_stock's."""
     cmd = [sys.executable, tool_path("sweep_varlen_ragged.py"), "--cells", cell,
            "--engines", "flash,cudnn"]  # flash first: a cuDNN hang leaves its row
     try:
@@ -295,3 +342,7 @@ def test_cudnn_ragged_sweep(cell, suite_results):
     assert flash, f"no FlashAttention-2 row: {status}"
     assert "error" not in flash[0], flash[0]
     assert sum(flash[0][f"nonfinite_{n}"] for n in sweep.Attn._fields) == 0, flash[0]
+    cudnn = [r for r in rows if r["engine"] == "cudnn"]
+    assert cudnn, f"no cuDNN row: {status}"
+    assert "error" not in cudnn[0], cudnn[0]
+    assert sum(cudnn[0][f"nonfinite_{n}"] for n in sweep.Attn._fields) == 0, cudnn[0]

@@ -1,0 +1,130 @@
+#include "graph_runner.h"
+
+#include <ATen/cudnn/Handle.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+
+#include "graph_cache.h"
+#include "stats.h"
+
+namespace openwam::frontend {
+namespace {
+
+// Enough for every shape a long training run with varying lengths meets in a
+// while; an evicted graph is rebuilt in tens of milliseconds (cuDNN keeps the
+// compiled kernels).
+constexpr size_t kGraphCacheCapacity = 1024;
+
+// A built graph, or why none can be built for its key.
+struct Entry {
+  std::shared_ptr<const BuiltGraph> graph;
+  std::string why_not;
+};
+
+struct GraphCache {
+  std::mutex mutex;
+  LruCache<SdpaGraphKey, Entry, SdpaGraphKeyHash> cache{kGraphCacheCapacity};
+  std::vector<std::string> failures;  // every configuration that did not build
+};
+
+GraphCache& graph_cache() {
+  // Never destroyed: graphs hold cuDNN objects, which must not be freed after
+  // the CUDA context is gone at process exit.
+  static auto* cache = new GraphCache();
+  return *cache;
+}
+
+// Marks `key` as unbuildable (its partner graph failed).
+void record_failure(const SdpaGraphKey& key, const std::string& why_not) {
+  GraphCache& c = graph_cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.cache.insert(key, Entry{nullptr, why_not});
+}
+
+}  // namespace
+
+std::shared_ptr<const BuiltGraph> graph_for(const SdpaGraphKey& key, std::string& why_not) {
+  GraphCache& c = graph_cache();
+  {
+    std::lock_guard<std::mutex> lock(c.mutex);
+    if (Entry* e = c.cache.find(key)) {
+      why_not = e->why_not;
+      return e->graph;
+    }
+  }
+  // Built outside the lock: a build takes up to a second, and another thread
+  // building the same key at the same time only costs a duplicate build.
+  Entry e;
+  e.graph = build_graph(key, at::native::getCudnnHandle(), e.why_not);
+  auto& s = stats();
+  if (e.graph == nullptr) {
+    s.graph_build_failures++;
+  } else if (key.ragged) {
+    s.ragged_graphs_built++;
+  } else if (key.pass == Pass::kBackward) {
+    s.backward_graphs_built++;
+  } else {
+    s.forward_graphs_built++;
+  }
+  std::lock_guard<std::mutex> lock(c.mutex);
+  if (e.graph == nullptr) {
+    std::string failure = key.describe() + ": " + e.why_not;
+    if (std::find(c.failures.begin(), c.failures.end(), failure) == c.failures.end()) {
+      c.failures.push_back(std::move(failure));
+    }
+  }
+  if (Entry* raced = c.cache.find(key)) {
+    // Another thread built the same key meanwhile: keep its entry.
+    why_not = raced->why_not;
+    return raced->graph;
+  }
+  const size_t before = c.cache.size();
+  c.cache.insert(key, e);
+  if (c.cache.size() == before) {
+    s.graph_cache_evictions++;
+  }
+  why_not = e.why_not;
+  return e.graph;
+}
+
+std::shared_ptr<const BuiltGraph> forward_graph(const SdpaGraphKey& fwd, const SdpaGraphKey& bwd,
+                                                bool prepare_backward, std::string& why_not) {
+  std::shared_ptr<const BuiltGraph> graph = graph_for(fwd, why_not);
+  if (graph == nullptr || (prepare_backward && graph_for(bwd, why_not) == nullptr)) {
+    record_failure(graph == nullptr ? bwd : fwd, why_not);
+    return nullptr;
+  }
+  return graph;
+}
+
+float scale_value(std::optional<double> scale, const at::Tensor& query) {
+  return static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(query.size(-1)))));
+}
+
+// The workspace comes from the caching allocator, stream-ordered: freed after
+// the launch, reused in order.
+void run(const BuiltGraph& graph, std::unordered_map<int64_t, void*>& pack,
+         const SdpaGraphKey& key) {
+  auto workspace = c10::cuda::CUDACachingAllocator::get()->allocate(
+      static_cast<size_t>(graph.workspace_size()));
+  const std::string error = graph.execute(at::native::getCudnnHandle(), pack, workspace.get());
+  TORCH_CHECK(error.empty(), "openwam::sdpa: cuDNN could not run its ", key.describe(), ": ",
+              error);
+}
+
+std::vector<std::string> build_failures() {
+  GraphCache& c = graph_cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  return c.failures;
+}
+
+void clear_graph_cache() {
+  GraphCache& c = graph_cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.cache.clear();
+}
+
+}  // namespace openwam::frontend

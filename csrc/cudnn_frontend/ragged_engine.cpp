@@ -1,0 +1,178 @@
+#include "ragged_engine.h"
+
+#include <array>
+#include <unordered_map>
+
+#include "dropout_seed.h"
+#include "graph_key.h"
+#include "graph_runner.h"
+#include "ragged_buckets.h"
+#include "ragged_offsets.h"
+#include "sdpa_graphs.h"
+
+namespace openwam::frontend {
+namespace {
+
+// Rows of a packed [total, H, E] tensor, as the graph's [B, H, S, E] with the
+// batch stride of S rows (cuDNN takes each sequence's start from the offsets).
+// A size-1 dimension's stride is normalised so that equal layouts give equal
+// keys.
+Layout packed(const at::Tensor& t, int64_t batch, int64_t s) {
+  TORCH_INTERNAL_ASSERT(t.dim() == 3 && t.stride(2) == 1, "ragged graphs take packed rows");
+  const int64_t heads = t.size(1), e = t.size(2);
+  const int64_t head_stride = heads == 1 ? e : t.stride(1);
+  const int64_t row_stride = t.size(0) <= 1 ? heads * head_stride : t.stride(0);
+  return {{batch, heads, s, e}, {s * row_stride, head_stride, row_stride, 1}};
+}
+
+int64_t row_stride(const Layout& l) { return l.strides[2]; }
+
+RaggedDims dims_of(const at::Tensor& query, const at::Tensor& key, const at::Tensor& cu_q,
+                   int64_t max_q, int64_t max_k) {
+  return bucketed({cu_q.size(0) - 1, max_q, max_k, query.size(0), key.size(0)});
+}
+
+SdpaGraphKey forward_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& out, const RaggedDims& d, double dropout_p,
+                         bool is_causal, bool training) {
+  SdpaGraphKey key;
+  key.device = q.device().index();
+  key.bf16 = q.scalar_type() == at::kBFloat16;
+  key.pass = training ? Pass::kTraining : Pass::kInference;
+  key.q = packed(q, d.batch, d.s_q);
+  key.k = packed(k, d.batch, d.s_kv);
+  key.v = packed(v, d.batch, d.s_kv);
+  key.o = packed(out, d.batch, d.s_q);
+  key.is_causal = is_causal;
+  key.dropout_p = dropout_p;
+  key.ragged = true;
+  return key;
+}
+
+// The backward of `fwd`, for grad_out laid out like the output and
+// contiguous gradients.
+SdpaGraphKey backward_key(const SdpaGraphKey& fwd, const at::Tensor& q, const at::Tensor& k,
+                          const RaggedDims& d) {
+  SdpaGraphKey key = fwd;
+  key.pass = Pass::kBackward;
+  key.grad_out = fwd.o;
+  const auto contiguous = [&](const at::Tensor& t, int64_t s) {
+    const int64_t heads = t.size(1), e = t.size(2);
+    return Layout{{d.batch, heads, s, e}, {s * heads * e, e, heads * e, 1}};
+  };
+  key.dq = contiguous(q, d.s_q);
+  key.dk = key.dv = contiguous(k, d.s_kv);
+  key.max_total_q = d.total_q;
+  key.max_total_kv = d.total_kv;
+  return key;
+}
+
+RaggedOffsets offsets_for(const SdpaGraphKey& key, const at::Tensor& cu_q,
+                          const at::Tensor& cu_k, int64_t batch) {
+  std::array<int64_t, kRaggedTensors> strides{};
+  strides[kRowsQ] = row_stride(key.q);
+  strides[kRowsK] = row_stride(key.k);
+  strides[kRowsV] = row_stride(key.v);
+  strides[kRowsO] = row_stride(key.o);
+  strides[kRowsStats] = key.q.sizes[1];  // [total_q, H, 1]
+  strides[kRowsGradQ] = key.dq.present() ? row_stride(key.dq) : 0;
+  strides[kRowsGradKv] = key.dk.present() ? row_stride(key.dk) : 0;
+  return ragged_offsets(cu_q, cu_k, batch, key.q.sizes[0], strides);
+}
+
+void bind_offsets(std::unordered_map<int64_t, void*>& pack, const RaggedOffsets& r,
+                  bool stats, bool gradients) {
+  pack[kSeqLenQ] = r.lengths_q();
+  pack[kSeqLenKv] = r.lengths_kv();
+  pack[kRaggedQ] = r.offsets_of(kRowsQ);
+  pack[kRaggedK] = r.offsets_of(kRowsK);
+  pack[kRaggedV] = r.offsets_of(kRowsV);
+  pack[kRaggedO] = r.offsets_of(kRowsO);
+  if (stats) pack[kRaggedStats] = r.offsets_of(kRowsStats);
+  if (gradients) {
+    pack[kRaggedGradQ] = r.offsets_of(kRowsGradQ);
+    pack[kRaggedGradKv] = r.offsets_of(kRowsGradKv);
+  }
+}
+
+}  // namespace
+
+bool ragged_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                    const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q,
+                    int64_t max_k, double dropout_p, bool is_causal,
+                    std::optional<double> scale, bool training, RaggedForward& result,
+                    std::string& why_not) {
+  const RaggedDims d = dims_of(query, key, cu_q, max_q, max_k);
+  at::Tensor out = at::empty({query.size(0), query.size(1), value.size(2)}, query.options());
+  const SdpaGraphKey fwd = forward_key(query, key, value, out, d, dropout_p, is_causal, training);
+  const SdpaGraphKey bwd = backward_key(fwd, query, key, d);
+  const auto graph = forward_graph(fwd, bwd, training, why_not);
+  if (graph == nullptr) {
+    return false;
+  }
+  float scale_by_value = scale_value(scale, query);
+  std::unordered_map<int64_t, void*> pack = {
+      {kQ, query.data_ptr()}, {kK, key.data_ptr()}, {kV, value.data_ptr()},
+      {kO, out.data_ptr()},   {kScale, &scale_by_value}};
+  const RaggedOffsets offsets = offsets_for(fwd, cu_q, cu_k, cu_q.size(0) - 1);
+  bind_offsets(pack, offsets, training, false);
+  result = RaggedForward{};
+  result.out = out;
+  if (training) {
+    result.logsumexp =
+        at::empty({query.size(0), query.size(1), 1}, query.options().dtype(at::kFloat));
+    pack[kStats] = result.logsumexp.data_ptr();
+  }
+  if (dropout_p > 0.0) {
+    std::tie(result.philox_seed, result.philox_offset) = dropout_seed_offset(
+        query.device(),
+        static_cast<uint64_t>(d.batch * query.size(1) * d.s_q * d.s_kv));
+    pack[kSeed] = result.philox_seed.data_ptr();
+    pack[kOffset] = result.philox_offset.data_ptr();
+  }
+  run(*graph, pack, fwd);
+  zero_rows_without_keys(result.out, cu_q, cu_k, cu_q.size(0) - 1);
+  return true;
+}
+
+bool ragged_backward(const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+                     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
+                     const at::Tensor& philox_seed, const at::Tensor& philox_offset,
+                     const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q,
+                     int64_t max_k, double dropout_p, bool is_causal,
+                     std::optional<double> scale,
+                     std::tuple<at::Tensor, at::Tensor, at::Tensor>& grads,
+                     std::string& why_not) {
+  const RaggedDims d = dims_of(query, key, cu_q, max_q, max_k);
+  TORCH_INTERNAL_ASSERT(out.is_contiguous() && logsumexp.is_contiguous() &&
+                        logsumexp.scalar_type() == at::kFloat);
+  // cuDNN reads grad_out's rows through the output's offsets.
+  const at::Tensor go = grad_out.is_contiguous() ? grad_out : grad_out.contiguous();
+  const SdpaGraphKey fwd = forward_key(query, key, value, out, d, dropout_p, is_causal, true);
+  const SdpaGraphKey bwd = backward_key(fwd, query, key, d);
+  const auto graph = graph_for(bwd, why_not);
+  if (graph == nullptr) {
+    return false;
+  }
+  at::Tensor dq = at::empty(query.sizes(), query.options());
+  at::Tensor dk = at::empty(key.sizes(), key.options());
+  at::Tensor dv = at::empty(value.sizes(), value.options());
+  float scale_by_value = scale_value(scale, query);
+  std::unordered_map<int64_t, void*> pack = {
+      {kQ, query.data_ptr()},    {kK, key.data_ptr()},     {kV, value.data_ptr()},
+      {kO, out.data_ptr()},      {kGradOut, go.data_ptr()}, {kStats, logsumexp.data_ptr()},
+      {kGradQ, dq.data_ptr()},   {kGradK, dk.data_ptr()},  {kGradV, dv.data_ptr()},
+      {kScale, &scale_by_value}};
+  const RaggedOffsets offsets = offsets_for(bwd, cu_q, cu_k, cu_q.size(0) - 1);
+  bind_offsets(pack, offsets, true, true);
+  if (dropout_p > 0.0) {
+    pack[kSeed] = philox_seed.data_ptr();
+    pack[kOffset] = philox_offset.data_ptr();
+  }
+  run(*graph, pack, bwd);
+  zero_rows_without_keys(dq, cu_q, cu_k, cu_q.size(0) - 1);
+  grads = {dq, dk, dv};
+  return true;
+}
+
+}  // namespace openwam::frontend

@@ -1,0 +1,199 @@
+"""Differential fuzz of sdpa_varlen's default engine on packed batches.
+
+Each run draws OPENWAM_VARLEN_FUZZ_CASES cases (default 500) from a seed that
+changes per run (OPENWAM_VARLEN_FUZZ_SEED replays one; it is in every failure
+message). A case packs 1-12 sequences with lognormal lengths (mu ln 64,
+sigma 1.2, clipped to [1, 1,024]), some of them 1 and some 0; key lengths
+equal the query lengths or are drawn apart (cross attention); query heads over
+1, 2 or 4 key/value heads; head_dim 64/128/192/256; bf16 or fp16; is_causal
+or not; and in each sequence with keys one adversarial query row (its
+logsumexp about -115: cuDNN's defect rows) or none.
+
+Rule, per sequence and per tensor (out, dQ, dK, dV), the project's accuracy
+contract (the dense fuzz's): the op's max error against F.sdpa on that
+sequence alone in float64 is at most twice the error of stock F.sdpa as
+called on that sequence alone (PyTorch's own backend choice: cuDNN here),
+plus the floor (a quarter ulp at the tensor's largest entry); where that is
+not finite (cuDNN's NaN), at most twice the worse of FlashAttention-2 and
+efficient attention. The adversarial rows' dQ is held to the same rule by
+its relative error, with the suite's row floor. Where no stock backend is
+finite the op must be. Dropout cases (10%): finite, and the output unbiased.
+The worst ratio to the best of the three stock backends on each sequence is
+printed, not asserted: on one sequence the three round differently by up to
+2-5x, and the engines themselves (FlashAttention-2 varlen included) exceed
+twice the best of them there.
+
+A query row that sees one key (a sequence with one key, or the first row
+under is_causal) has dQ = 0 exactly, and a sequence with one key has dK = 0:
+the kernels' result there is rounding noise around 0 (about 1e-7), where a
+relative error is undefined and a floor at the tensor's own largest entry is
+0. Such a row stays in the max-norm rule with its sequence's other rows, not
+in the relative one; such a tensor's floor is taken at the largest entry of
+the same tensor over the whole pack (the packed gradient the user holds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import time
+
+import torch
+
+import openwam_sdpa
+from support import load_tool, twice_stock_problem
+
+from .conftest import GPU_MARKS, LOW_ROW_FLOOR, SDPBackend, floor_for
+
+pytestmark = GPU_MARKS
+
+sweep = load_tool("sweep_varlen_ragged.py")
+CASES = int(os.environ.get("OPENWAM_VARLEN_FUZZ_CASES", "500"))
+SEED = int(os.environ.get("OPENWAM_VARLEN_FUZZ_SEED", str(time.time_ns() % 2**31)))
+STOCK = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)
+
+
+def draw(rng: random.Random) -> dict:
+    n = rng.randint(1, 12)
+
+    def lengths():
+        out = []
+        for _ in range(n):
+            u = rng.random()
+            out.append(0 if u < 0.05 else 1 if u < 0.15 else
+                       max(1, min(1024, int(math.exp(rng.gauss(math.log(64), 1.2))))))
+        return out
+
+    lens_q = lengths()
+    lens_k = None if rng.random() < 0.6 else [max(1, x) for x in lengths()]
+    kv = rng.choice((1, 2, 4))
+    return dict(lens_q=lens_q, lens_k=lens_k, H=kv * rng.choice((1, 2, 4)), Hkv=kv,
+                D=rng.choice((64, 128, 192, 256)),
+                dtype=rng.choice((torch.bfloat16, torch.float16)),
+                causal=rng.random() < 0.5, low=rng.choice(("last", "first", "none")),
+                dropout=0.125 if rng.random() < 0.1 else 0.0, seed=rng.randrange(1 << 30))
+
+
+def spans(cu) -> list[tuple[int, int]]:
+    cu = cu.tolist()
+    return list(zip(cu[:-1], cu[1:]))
+
+
+def sequence_attn(p, b, causal, backend=None):
+    """F.sdpa on sequence b alone: out, dQ, dK, dV in float64 (backend None:
+    math on float64 inputs, the reference; "called": PyTorch's own choice in
+    the packed dtype), or None where the backend refuses it."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    (q0, q1), (k0, k1) = spans(p.cu_q)[b], spans(p.cu_k)[b]
+    rep = p.q.shape[1] // p.k.shape[1]
+    cast = (lambda t: t.detach().double()) if backend is None else (lambda t: t.detach().clone())
+    q, k, v = (cast(t).requires_grad_() for t in (p.q[q0:q1], p.k[k0:k1], p.v[k0:k1]))
+    heads_first = lambda t: t.transpose(0, 1)[None]  # noqa: E731
+    try:
+        with (contextlib.nullcontext() if backend == "called" else
+              sdpa_kernel([backend] if backend is not None else [SDPBackend.MATH])):
+            out = F.scaled_dot_product_attention(
+                heads_first(q), heads_first(k).repeat_interleave(rep, 1),
+                heads_first(v).repeat_interleave(rep, 1), is_causal=causal)[0].transpose(0, 1)
+    except RuntimeError:
+        return None
+    grads = torch.autograd.grad(out, (q, k, v), p.go[q0:q1].to(out.dtype))
+    return sweep.Attn(out.detach().double(), *(g.double() for g in grads))
+
+
+def yardstick(errs: dict, called: float) -> float:
+    """The error the op is held to: stock as called where finite, else the worse of flash and
+    efficient attention (the finite ones); inf where none is finite."""
+    if math.isfinite(called):
+        return called
+    finite = [e for n, e in errs.items() if n != SDPBackend.CUDNN_ATTENTION and math.isfinite(e)]
+    return max(finite, default=math.inf)
+
+
+def check(i: int, c: dict, backends: dict, worst: dict) -> str | None:
+    p = sweep.packed_adversarial(c["lens_q"], c["lens_k"], H=c["H"], Hkv=c["Hkv"], D=c["D"],
+                                 low=c["low"], dtype=c["dtype"], seed=c["seed"])
+    where = f"case {i} (OPENWAM_VARLEN_FUZZ_SEED={SEED}): {c}"
+    gqa = c["H"] != c["Hkv"]
+    engine = openwam_sdpa.explain_varlen(p.q, p.k, p.v, p.cu_q, p.cu_k, p.max_q, p.max_k,
+                                         dropout_p=c["dropout"], is_causal=c["causal"],
+                                         enable_gqa=gqa)["backend"]
+    backends[engine] = backends.get(engine, 0) + 1
+    out = openwam_sdpa.varlen_sdpa(p.q, p.k, p.v, p.cu_q, p.cu_k, p.max_q, p.max_k,
+                                   dropout_p=c["dropout"], is_causal=c["causal"], enable_gqa=gqa)
+    ours = sweep._grads(out, p)
+    bad = [n for n in sweep.Attn._fields if sweep.nonfinite(getattr(ours, n))]
+    if bad:
+        return f"{where}: non-finite {bad}"
+    if c["dropout"]:
+        ref = sweep.reference(p, c["causal"])
+        diff = (ours.out.double() - ref.out).flatten()
+        if diff.numel() > 1 and abs(float(diff.mean())) > \
+                6 * float(diff.std()) / math.sqrt(diff.numel()) + 1e-6:
+            return f"{where}: dropout output biased (mean {float(diff.mean()):.3e})"
+        return None
+    low = set(p.low_rows)
+    attended = [(b, q, k) for b, (q, k) in enumerate(zip(spans(p.cu_q), spans(p.cu_k)))
+                if q[1] > q[0] and k[1] > k[0]]  # a sequence without keys: test_varlen_gpu's
+    refs = {b: sequence_attn(p, b, c["causal"]) for b, _, _ in attended}
+    pack_max = {n: max((float(getattr(r, n).abs().max()) for r in refs.values()), default=0.0)
+                for n in sweep.Attn._fields}
+    for b, (q0, q1), (k0, k1) in attended:
+        ref = refs[b]
+        stock = {be: s for be in STOCK if (s := sequence_attn(p, b, c["causal"], be))}
+        called = sequence_attn(p, b, c["causal"], "called")
+        mine = sweep.Attn(ours.out[q0:q1], ours.dq[q0:q1], ours.dk[k0:k1], ours.dv[k0:k1])
+        one_key = k1 - k0 == 1
+        # Adversarial rows that see more than one key (see the module's docstring).
+        rows = [r - q0 for r in low if q0 <= r < q1 and not (one_key or c["causal"] and r == q0)]
+        for n in sweep.Attn._fields:
+            r = getattr(ref, n)
+            skip = rows if n == "dq" and rows else None
+            errs = {be: sweep.max_err(getattr(s, n), r, skip) for be, s in stock.items()}
+            yard = yardstick(errs, sweep.max_err(getattr(called, n), r, skip)
+                             if called else math.inf)
+            if not math.isfinite(yard):
+                continue  # no finite stock backend: finite is the bar (checked above)
+            zero = one_key and n in ("dq", "dk")
+            floor = floor_for(r.new_tensor(pack_max[n]) if zero else r, c["dtype"])
+            err = sweep.max_err(getattr(mine, n), r, skip)
+            best = min([e for e in errs.values() if math.isfinite(e)])
+            if best > floor:
+                worst[n] = max(worst.get(n, 0.0), err / best)
+            problem = twice_stock_problem(f"{n} of sequence {b}", err, yard, floor)
+            if problem:
+                return f"{where}: {problem}"
+        if rows:
+            errs = {be: sweep.row_rel_err(s.dq, ref.dq, rows) for be, s in stock.items()}
+            yard = yardstick(errs, sweep.row_rel_err(called.dq, ref.dq, rows)
+                             if called else math.inf)
+            problem = twice_stock_problem(f"adversarial dQ rows of sequence {b} (relative error)",
+                                          sweep.row_rel_err(mine.dq, ref.dq, rows), yard,
+                                          LOW_ROW_FLOOR)
+            if math.isfinite(yard) and problem:
+                return f"{where}: {problem}"
+    return None
+
+
+def test_varlen_fuzz_against_stock(suite_results):
+    rng = random.Random(SEED)
+    failures, backends, worst = [], {}, {}
+    t0 = time.time()
+    for i in range(CASES):
+        problem = check(i, draw(rng), backends, worst)
+        if problem:
+            failures.append(problem)
+            print(f"varlen fuzz: FAILED {problem}", flush=True)
+        if (i + 1) % 25 == 0:
+            print(f"varlen fuzz: seed {SEED}, {i + 1} cases in {time.time() - t0:.0f} s, "
+                  f"{len(failures)} failed, engines {backends}", flush=True)
+    ratios = {n: round(x, 2) for n, x in worst.items()}
+    print(f"varlen fuzz: seed {SEED}, worst error / best stock backend's: {ratios}", flush=True)
+    suite_results.put("varlen fuzz", f"seed {SEED}", cases=CASES, failed=len(failures),
+                      engines=backends, worst_over_best_stock=ratios)
+    assert not failures, f"{len(failures)} of {CASES} failed:\n" + "\n".join(failures[:10])
+
