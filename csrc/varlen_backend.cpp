@@ -130,6 +130,12 @@ const char* flash_varlen_rejects(const VarlenCall& call) {
 
 const char* cudnn_ragged_rejects(const VarlenCall& call) {
   if (const char* why = fused_rejects(call)) return why;
+  if (call.query.sym_size(-1) % 16 != 0) {
+    // cudnn-frontend 1.32 drops the backward's max_total_seq_len there ("a known
+    // functional issue"): its workspace would grow to the bucketed padded batch.
+    return "head_dim is not a multiple of 16 (cuDNN's ragged backward would size its "
+           "workspace as the padded batch)";
+  }
   if (at::globalContext().deterministicAlgorithms()) {
     return "deterministic algorithms requested (cuDNN's backward is not deterministic)";
   }
@@ -201,6 +207,14 @@ VarlenDecision decide_varlen(const VarlenCall& call) {
 #endif
     stack.cudnn_version = runtime_cudnn_version();
     stack.cudnn_unavailable = cudnn_unavailable(call.query);
+#ifdef OPENWAM_WITH_CUDA
+    if (stack.cudnn_unavailable == nullptr &&
+        at::cuda::getDeviceProperties(call.query.device().index())->major != 9) {
+      // Measured on Hopper only. On sm8x/sm12x cudnn-frontend 1.32 drops the
+      // backward's max_total_seq_len (its workspace grows to the padded batch).
+      stack.cudnn_unavailable = "cuDNN's ragged layout is measured on Hopper (sm90) only";
+    }
+#endif
 #ifndef OPENWAM_WITH_CUDNN_FRONTEND
     if (stack.cudnn_unavailable == nullptr) {
       stack.cudnn_unavailable = "this build has no cuDNN frontend (the ragged engine's graphs)";

@@ -203,21 +203,29 @@ at::Tensor rows(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguo
 
 #ifdef OPENWAM_WITH_CUDNN_FRONTEND
 // Where cuDNN cannot build a ragged graph for a call (a version, a layout),
-// FlashAttention-2 varlen runs it, its logsumexp transposed into the ragged
-// engine's [total_q, H, 1] (what the Meta kernel promised). Not with dropout
-// (the engines' random states differ) nor where FlashAttention-2 would align
-// a causal mask differently (a sequence's s_q != s_k): those raise.
+// FlashAttention-2 varlen runs it. Not with dropout (the engines' random
+// states differ) nor where FlashAttention-2 would align a causal mask
+// differently (a sequence's s_q != s_k): those raise. The backward checks
+// again: a backward graph evicted from the cache and not rebuilt must not
+// meet FlashAttention-2 there either.
+void check_flash_stands_in(const at::Tensor& cu_q, const at::Tensor& cu_k, double dropout_p,
+                           bool is_causal, const std::string& why_not, const char* graph) {
+  const bool square = cu_q.is_same(cu_k) || cu_q.data_ptr() == cu_k.data_ptr();
+  TORCH_CHECK(dropout_p == 0.0 && (!is_causal || square),
+              "openwam::sdpa_varlen: cuDNN could not build its ragged ", graph,
+              " for this call (", why_not, "), and FlashAttention-2 varlen cannot stand in ",
+              dropout_p > 0.0 ? "with dropout" : "for a causal mask with s_q != s_k",
+              "; OPENWAM_SDPA_VARLEN=block_diagonal runs it without a fused engine");
+}
+
+// FlashAttention-2 varlen in the ragged engine's format: its logsumexp
+// transposed into [total_q, H, 1] (what the Meta kernel promised).
 Tensors4 flash_in_ragged_format(const at::Tensor& query, const at::Tensor& key,
                                 const at::Tensor& value, const at::Tensor& cu_q,
                                 const at::Tensor& cu_k, int64_t mq, int64_t mk,
                                 double dropout_p, bool is_causal, std::optional<double> scale,
                                 const std::string& why_not) {
-  const bool square = cu_q.is_same(cu_k) || cu_q.data_ptr() == cu_k.data_ptr();
-  TORCH_CHECK(dropout_p == 0.0 && (!is_causal || square),
-              "openwam::sdpa_varlen: cuDNN could not build its ragged graph for this call (",
-              why_not, "), and FlashAttention-2 varlen cannot stand in ",
-              dropout_p > 0.0 ? "with dropout" : "for a causal mask with s_q != s_k",
-              "; OPENWAM_SDPA_VARLEN=block_diagonal runs it without a fused engine");
+  check_flash_stands_in(cu_q, cu_k, dropout_p, is_causal, why_not, "graph");
   TORCH_WARN_ONCE("openwam::sdpa_varlen: cuDNN could not build its ragged graph (", why_not,
                   "); FlashAttention-2 varlen runs such calls");
   auto [out, lse, rng_state, rng_offset, debug] = at::_flash_attention_forward(
@@ -298,6 +306,7 @@ Tensors3 cuda_backward(const at::Tensor& grad_out, const at::Tensor& query,
     return grads;
   }
   // The forward found no graph either and ran FlashAttention-2 (above).
+  check_flash_stands_in(cu_q, cu_k, dropout_p, is_causal, why_not, "backward graph");
   auto [dq, dk, dv] = at::_flash_attention_backward(
       go, rows(query), rows(key), rows(value), out,
       logsumexp.squeeze(-1).t().contiguous(), cu_q, cu_k, mq, mk, dropout_p, is_causal,

@@ -128,8 +128,9 @@ def _per_sequence(p: Packed, is_causal, leaf) -> Attn:
         qs = qd[q0:q1].transpose(0, 1)
         ks = kd[k0:k1].transpose(0, 1).repeat_interleave(rep, 0)
         vs = vd[k0:k1].transpose(0, 1).repeat_interleave(rep, 0)
-        if k1 == k0:
-            out = qs.new_zeros(qs.shape[:-1] + (vs.shape[-1],)) + 0 * qs.sum()
+        if k1 == k0 or q1 == q0:  # nothing attends: zero output, zero gradients
+            out = qs.new_zeros(qs.shape[:-1] + (vs.shape[-1],)) + 0 * (qs.sum() + ks.sum()
+                                                                        + vs.sum())
         else:
             # [1, H, s, D]: the fused kernels take 4-D inputs only
             out = F.scaled_dot_product_attention(qs[None], ks[None], vs[None],

@@ -104,6 +104,13 @@ float scale_value(std::optional<double> scale, const at::Tensor& query) {
   return static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(query.size(-1)))));
 }
 
+std::unordered_map<int64_t, void*> forward_pack(const at::Tensor& query, const at::Tensor& key,
+                                                const at::Tensor& value, const at::Tensor& out,
+                                                float* scale) {
+  return {{kQ, query.data_ptr()}, {kK, key.data_ptr()}, {kV, value.data_ptr()},
+          {kO, out.data_ptr()},   {kScale, scale}};
+}
+
 // The workspace comes from the caching allocator, stream-ordered: freed after
 // the launch, reused in order.
 void run(const BuiltGraph& graph, std::unordered_map<int64_t, void*>& pack,

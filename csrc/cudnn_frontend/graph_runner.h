@@ -35,6 +35,12 @@ std::shared_ptr<const BuiltGraph> forward_graph(const SdpaGraphKey& fwd, const S
 // The attention scale cuDNN takes by value: `scale` or 1/sqrt(head_dim).
 float scale_value(std::optional<double> scale, const at::Tensor& query);
 
+// The variant-pack entries every forward graph binds: Q, K, V, O and the
+// scale, which cuDNN reads by value at execution (`scale` must outlive it).
+std::unordered_map<int64_t, void*> forward_pack(const at::Tensor& query, const at::Tensor& key,
+                                                const at::Tensor& value, const at::Tensor& out,
+                                                float* scale);
+
 // Runs a built graph on the current stream; raises with `key`'s description
 // when cuDNN refuses to execute it.
 void run(const BuiltGraph& graph, std::unordered_map<int64_t, void*>& pack,

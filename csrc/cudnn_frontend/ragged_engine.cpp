@@ -1,5 +1,7 @@
 #include "ragged_engine.h"
 
+#include <c10/cuda/CUDAGuard.h>
+
 #include <array>
 #include <unordered_map>
 
@@ -26,6 +28,27 @@ Layout packed(const at::Tensor& t, int64_t batch, int64_t s) {
 }
 
 int64_t row_stride(const Layout& l) { return l.strides[2]; }
+
+// What the graphs assume of a call (varlen_backend.cpp admits only such calls;
+// these checks hold the private leaf op, callable directly, to the same).
+void check_call(const char* op, const at::Tensor& query, const at::Tensor& key,
+                const at::Tensor& value, const at::Tensor& cu_q, const at::Tensor& cu_k) {
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK((dtype == at::kHalf || dtype == at::kBFloat16) && key.scalar_type() == dtype &&
+                  value.scalar_type() == dtype,
+              op, ": cuDNN's ragged layout takes float16/bfloat16 query, key and value of one "
+              "dtype, got ", query.scalar_type(), ", ", key.scalar_type(), " and ",
+              value.scalar_type());
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3 &&
+                  value.size(2) == query.size(2) && key.size(2) == query.size(2) &&
+                  key.size(1) == value.size(1) && query.size(1) % key.size(1) == 0,
+              op, ": cuDNN's ragged layout takes packed [total, heads, head_dim] tensors with "
+              "one head_dim and query heads a multiple of key/value heads, got query ",
+              query.sizes(), ", key ", key.sizes(), ", value ", value.sizes());
+  TORCH_CHECK(cu_q.scalar_type() == at::kInt && cu_k.scalar_type() == at::kInt &&
+                  cu_q.dim() == 1 && cu_q.sizes() == cu_k.sizes() && cu_q.size(0) >= 1,
+              op, ": cu_seqlens_q/k must be int32 [batch + 1] of one size");
+}
 
 RaggedDims dims_of(const at::Tensor& query, const at::Tensor& key, const at::Tensor& cu_q,
                    int64_t max_q, int64_t max_k) {
@@ -102,6 +125,10 @@ bool ragged_forward(const at::Tensor& query, const at::Tensor& key, const at::Te
                     int64_t max_k, double dropout_p, bool is_causal,
                     std::optional<double> scale, bool training, RaggedForward& result,
                     std::string& why_not) {
+  check_call("openwam::_sdpa_varlen", query, key, value, cu_q, cu_k);
+  // cuDNN's handle, the workspace and the graph build follow the current
+  // device: make it the inputs' (a model spread over GPUs calls from another).
+  const c10::cuda::CUDAGuard device(query.device());
   const RaggedDims d = dims_of(query, key, cu_q, max_q, max_k);
   at::Tensor out = at::empty({query.size(0), query.size(1), value.size(2)}, query.options());
   const SdpaGraphKey fwd = forward_key(query, key, value, out, d, dropout_p, is_causal, training);
@@ -111,9 +138,8 @@ bool ragged_forward(const at::Tensor& query, const at::Tensor& key, const at::Te
     return false;
   }
   float scale_by_value = scale_value(scale, query);
-  std::unordered_map<int64_t, void*> pack = {
-      {kQ, query.data_ptr()}, {kK, key.data_ptr()}, {kV, value.data_ptr()},
-      {kO, out.data_ptr()},   {kScale, &scale_by_value}};
+  std::unordered_map<int64_t, void*> pack =
+      forward_pack(query, key, value, out, &scale_by_value);
   const RaggedOffsets offsets = offsets_for(fwd, cu_q, cu_k, cu_q.size(0) - 1);
   bind_offsets(pack, offsets, training, false);
   result = RaggedForward{};
@@ -131,7 +157,7 @@ bool ragged_forward(const at::Tensor& query, const at::Tensor& key, const at::Te
     pack[kOffset] = result.philox_offset.data_ptr();
   }
   run(*graph, pack, fwd);
-  zero_rows_without_keys(result.out, cu_q, cu_k, cu_q.size(0) - 1);
+  zero_unattended_rows(result.out, cu_q, cu_k, cu_q.size(0) - 1);
   return true;
 }
 
@@ -143,9 +169,14 @@ bool ragged_backward(const at::Tensor& grad_out, const at::Tensor& query, const 
                      std::optional<double> scale,
                      std::tuple<at::Tensor, at::Tensor, at::Tensor>& grads,
                      std::string& why_not) {
+  check_call("openwam::_sdpa_varlen_backward", query, key, value, cu_q, cu_k);
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes() &&
+                  logsumexp.scalar_type() == at::kFloat && logsumexp.is_contiguous() &&
+                  logsumexp.numel() == query.size(0) * query.size(1),
+              "openwam::_sdpa_varlen_backward: the ragged engine's backward takes its forward's "
+              "contiguous output and float32 [total_q, heads, 1] logsumexp");
+  const c10::cuda::CUDAGuard device(query.device());  // as in ragged_forward
   const RaggedDims d = dims_of(query, key, cu_q, max_q, max_k);
-  TORCH_INTERNAL_ASSERT(out.is_contiguous() && logsumexp.is_contiguous() &&
-                        logsumexp.scalar_type() == at::kFloat);
   // cuDNN reads grad_out's rows through the output's offsets.
   const at::Tensor go = grad_out.is_contiguous() ? grad_out : grad_out.contiguous();
   const SdpaGraphKey fwd = forward_key(query, key, value, out, d, dropout_p, is_causal, true);
@@ -170,7 +201,10 @@ bool ragged_backward(const at::Tensor& grad_out, const at::Tensor& query, const 
     pack[kOffset] = philox_offset.data_ptr();
   }
   run(*graph, pack, bwd);
-  zero_rows_without_keys(dq, cu_q, cu_k, cu_q.size(0) - 1);
+  const int64_t batch = cu_q.size(0) - 1;
+  zero_unattended_rows(dq, cu_q, cu_k, batch);
+  zero_unattended_rows(dk, cu_k, cu_q, batch);
+  zero_unattended_rows(dv, cu_k, cu_q, batch);
   grads = {dq, dk, dv};
   return true;
 }

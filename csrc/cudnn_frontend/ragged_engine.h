@@ -12,7 +12,8 @@
 // B, S and the totals are bucketed (ragged_buckets.h): batches of varying
 // sequence count and lengths reuse a few graphs. Causal masks are top-left
 // per sequence, as F.sdpa's is_causal. A sequence with queries but no keys
-// gets zero output and zero dQ, as F.sdpa gives. No host synchronisation.
+// gets zero output and zero dQ, one with keys but no queries zero dK and dV,
+// as F.sdpa gives. No host synchronisation.
 #pragma once
 
 #include <ATen/ATen.h>

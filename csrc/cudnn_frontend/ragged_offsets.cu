@@ -27,13 +27,13 @@ __global__ void fill_ragged(const int32_t* cu_q, const int32_t* cu_k, int64_t ba
   }
 }
 
-__global__ void zero_keyless_rows(uint16_t* rows, int64_t row_elems, const int32_t* cu_q,
-                                  const int32_t* cu_k) {
+__global__ void zero_unattended(uint16_t* rows, int64_t row_elems, const int32_t* cu_rows,
+                                const int32_t* cu_partner) {
   const int64_t b = blockIdx.x;
-  if (cu_k[b + 1] != cu_k[b]) {
+  if (cu_partner[b + 1] != cu_partner[b]) {
     return;
   }
-  const int64_t first = cu_q[b] * row_elems, end = cu_q[b + 1] * row_elems;
+  const int64_t first = cu_rows[b] * row_elems, end = cu_rows[b + 1] * row_elems;
   for (int64_t i = first + blockIdx.y * blockDim.x + threadIdx.x; i < end;
        i += static_cast<int64_t>(gridDim.y) * blockDim.x) {
     rows[i] = 0;
@@ -42,16 +42,16 @@ __global__ void zero_keyless_rows(uint16_t* rows, int64_t row_elems, const int32
 
 }  // namespace
 
-void zero_rows_without_keys(at::Tensor& packed, const at::Tensor& cu_seqlens_q,
-                            const at::Tensor& cu_seqlens_k, int64_t batch) {
+void zero_unattended_rows(at::Tensor& packed, const at::Tensor& cu_rows,
+                          const at::Tensor& cu_partner, int64_t batch) {
   TORCH_INTERNAL_ASSERT(packed.is_contiguous() && packed.element_size() == 2);
-  if (batch == 0 || packed.numel() == 0) {
+  if (batch == 0 || packed.numel() == 0 || cu_rows.data_ptr() == cu_partner.data_ptr()) {
     return;
   }
   const dim3 grid(static_cast<unsigned>(batch), 8);
-  zero_keyless_rows<<<grid, 256, 0, at::cuda::getCurrentCUDAStream(packed.device().index())>>>(
+  zero_unattended<<<grid, 256, 0, at::cuda::getCurrentCUDAStream(packed.device().index())>>>(
       static_cast<uint16_t*>(packed.data_ptr()), packed.size(1) * packed.size(2),
-      cu_seqlens_q.data_ptr<int32_t>(), cu_seqlens_k.data_ptr<int32_t>());
+      cu_rows.data_ptr<int32_t>(), cu_partner.data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -29,11 +29,14 @@ RaggedOffsets ragged_offsets(const at::Tensor& cu_seqlens_q, const at::Tensor& c
                              int64_t batch, int64_t bucket,
                              const std::array<int64_t, kRaggedTensors>& row_strides);
 
-// Zeroes the rows of `packed` ([total_q, H, E], contiguous, 2-byte elements)
-// that belong to sequences with queries but no keys: cuDNN writes nothing
-// there (measured on 9.19.0), and F.sdpa's answer for a query that sees no
-// key is a zero output and a zero dQ. One launch; sequences with keys exit.
-void zero_rows_without_keys(at::Tensor& packed, const at::Tensor& cu_seqlens_q,
-                            const at::Tensor& cu_seqlens_k, int64_t batch);
+// Zeroes the rows of `packed` ([total, H, E] laid out by `cu_rows`,
+// contiguous, 2-byte elements) that belong to sequences whose other side
+// (`cu_partner`) is empty: cuDNN writes nothing for a sequence without keys
+// (its output and dQ rows; measured on 9.19.0) and, by the same tiling, for
+// one without queries (its dK and dV rows), where F.sdpa's answer is 0. One
+// launch, none where both sides share one cu_seqlens (no side is empty then
+// without the other); sequences with both sides exit.
+void zero_unattended_rows(at::Tensor& packed, const at::Tensor& cu_rows,
+                          const at::Tensor& cu_partner, int64_t batch);
 
 }  // namespace openwam::frontend

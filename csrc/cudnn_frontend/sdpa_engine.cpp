@@ -1,6 +1,7 @@
 #include "sdpa_engine.h"
 
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include <cmath>
 #include <unordered_map>
@@ -97,6 +98,9 @@ bool sdpa_forward(const at::Tensor& query, const at::Tensor& key, const at::Tens
                   const at::Tensor& bias_in, bool training, double dropout_p, bool is_causal,
                   std::optional<double> scale, bool padding_mask, bool prepare_backward,
                   CudnnForward& result, std::string& why_not) {
+  // cuDNN's handle, the workspace and the graph build follow the current
+  // device: make it the inputs' (a model spread over GPUs calls from another).
+  const c10::cuda::CUDAGuard device(query.device());
   const at::Tensor bias = expanded_bias(bias_in, query, key);
   const at::Tensor out = empty_like_cudnn_output(query, value.sym_size(-1));
   SdpaGraphKey fwd = base_key(query, key, value, bias, dropout_p, is_causal);
@@ -112,9 +116,8 @@ bool sdpa_forward(const at::Tensor& query, const at::Tensor& key, const at::Tens
     return false;
   }
   float scale_by_value = scale_value(scale, query);
-  std::unordered_map<int64_t, void*> pack = {
-      {kQ, query.data_ptr()}, {kK, key.data_ptr()}, {kV, value.data_ptr()},
-      {kO, out.data_ptr()},   {kScale, &scale_by_value}};
+  std::unordered_map<int64_t, void*> pack =
+      forward_pack(query, key, value, out, &scale_by_value);
   if (bias.defined()) {
     pack[kBias] = bias.data_ptr();
   }
@@ -142,6 +145,7 @@ bool sdpa_backward(const at::Tensor& grad_out_in, const at::Tensor& query, const
                    const at::Tensor& bias_in, double dropout_p, bool is_causal,
                    std::optional<double> scale, bool padding_mask,
                    std::tuple<at::Tensor, at::Tensor, at::Tensor>& grads, std::string& why_not) {
+  const c10::cuda::CUDAGuard device(query.device());  // as in sdpa_forward
   const at::Tensor bias = expanded_bias(bias_in, query, key);
   // cuDNN reads rows of grad_out: one broadcast along head_dim (from
   // out.sum().backward()) or otherwise strided is copied into out's layout.

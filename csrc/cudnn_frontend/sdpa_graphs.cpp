@@ -3,6 +3,7 @@
 #include <cudnn_frontend.h>
 
 #include <exception>
+#include <mutex>
 #include <vector>
 
 namespace openwam::frontend {
@@ -146,8 +147,14 @@ class FrontendGraph final : public BuiltGraph {
   FrontendGraph(std::shared_ptr<fe::graph::Graph> g, int64_t workspace)
       : graph_(std::move(g)), workspace_(workspace) {}
   int64_t workspace_size() const override { return workspace_; }
+  // One thread at a time per graph: the cache shares a plan between threads
+  // (a training forward builds the backward that autograd's device thread
+  // runs), and cuDNN does not promise that an execution plan is thread safe
+  // across all engines (PyTorch's MHA.cpp keeps thread-local caches for the
+  // same reason). Execution only enqueues work, so the lock is short.
   std::string execute(cudnnHandle_t handle, std::unordered_map<int64_t, void*>& pack,
                       void* workspace) const override {
+    const std::lock_guard<std::mutex> lock(mutex_);
     auto status = graph_->execute(handle, pack, workspace);
     return status.is_good() ? std::string() : status.get_message();
   }
@@ -155,6 +162,7 @@ class FrontendGraph final : public BuiltGraph {
  private:
   std::shared_ptr<fe::graph::Graph> graph_;
   int64_t workspace_;
+  mutable std::mutex mutex_;
 };
 
 }  // namespace

@@ -82,6 +82,23 @@ TEST_CASE("varlen: cuDNN's ragged layout by default on a measured cuDNN", "[varl
   }
 }
 
+TEST_CASE("varlen: head_dim off a multiple of 16 keeps the ragged layout off", "[varlen]") {
+  // cudnn-frontend 1.32 drops the backward's max_total_seq_len there: the
+  // workspace would grow to the padded batch. FlashAttention-2 takes it.
+  for (int64_t e : {72, 104, 200}) {
+    const Packed p(at::kBFloat16, e);
+    const VarlenDecision d = p.decide(VarlenPreference::kAuto, cuda_stack());
+    CHECK(d.backend == VarlenBackend::kFlash);
+    const VarlenCall call{p.q, p.k, p.v, p.cu_q, p.cu_k, 6, 6, true, std::nullopt, 0.0, true};
+    CHECK(std::string(openwam::cudnn_ragged_rejects(call)).find("multiple of 16") !=
+          std::string::npos);
+    // Not even when asked for: the setting overrides guard rows, not limits.
+    CHECK(p.decide(VarlenPreference::kCudnn, cuda_stack()).backend == VarlenBackend::kFlash);
+  }
+  CHECK(Packed(at::kBFloat16, 80).decide(VarlenPreference::kAuto, cuda_stack()).backend ==
+        VarlenBackend::kCudnnRagged);
+}
+
 TEST_CASE("varlen: an unmeasured cuDNN takes FlashAttention-2, within its limits", "[varlen]") {
   const VarlenStack unmeasured = cuda_stack(true, nullptr, openwam::cudnn_version(9, 20, 0));
   const VarlenDecision d = Packed().decide(VarlenPreference::kAuto, unmeasured);

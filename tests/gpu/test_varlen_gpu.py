@@ -153,6 +153,25 @@ def test_queries_without_keys(engine, engine_setting):
             2 * max_err(getattr(stock, n), r) + floor_for(r, DTYPE), n
 
 
+@pytest.mark.parametrize("engine", IN_PROCESS_ENGINES)
+def test_keys_without_queries(engine, engine_setting):
+    """The mirror case: a sequence with keys but no queries gets zero dK and
+    dV (nothing attends to its keys), not whatever the buffers held; the other
+    sequences within twice stock's error."""
+    p = sweep.packed_adversarial([3, 0, 2], [5, 4, 7], D=64, low="none")
+    for _ in range(2):  # the second call reuses the first's freed buffers
+        ours, _ = run_public(p, engine_setting, engine, False)
+    ref = sweep.reference(p, False)
+    stock = sweep.reference(p, False, stock=True)
+    assert sum(nonfinite(t) for t in ours) == 0
+    assert torch.equal(ours.dk[5:9], torch.zeros_like(ours.dk[5:9]))
+    assert torch.equal(ours.dv[5:9], torch.zeros_like(ours.dv[5:9]))
+    for n in sweep.Attn._fields:
+        r = getattr(ref, n)
+        assert max_err(getattr(ours, n), r) <= \
+            2 * max_err(getattr(stock, n), r) + floor_for(r, DTYPE), n
+
+
 def test_empty_sequences_flash(engine_setting):
     """Sequences of length 0 in cu_seqlens (repeated offsets): FlashAttention-2
     skips them; the rest is exact to bf16."""
