@@ -15,8 +15,9 @@ float64 reference, at most twice the error of stock F.sdpa on the padded
 batch (efficient attention with a key-padding mask: finite where stock cuDNN
 is not) plus the floor of the case's dtype. "Fully masked" rows do not exist
 in varlen (there is no mask); the nearest thing, query rows of a sequence
-without keys, is test_queries_without_keys (zero output, zero gradient, as
-F.sdpa per sequence gives). test_varlen_fuzz_gpu.py holds the fuzz.
+without keys (and its mirror, keys without queries), is
+test_sequence_with_one_side_empty (zero output, zero gradient, as F.sdpa per
+sequence gives). test_varlen_fuzz_gpu.py holds the fuzz.
 """
 
 from __future__ import annotations
@@ -136,36 +137,25 @@ def test_engine_within_twice_padded_stock(case, engine, engine_setting, suite_re
 
 
 @pytest.mark.parametrize("engine", IN_PROCESS_ENGINES)
-def test_queries_without_keys(engine, engine_setting):
-    """A sequence with queries but no keys: zero output and zero gradient
-    (F.sdpa on that sequence alone), no NaN anywhere, and the other sequences
-    within twice stock's error (efficient attention on each sequence alone)."""
-    p = sweep.packed_adversarial([3, 4, 2], [5, 0, 7], D=64, low="none")
-    ours, _ = run_public(p, engine_setting, engine, False)
-    ref = sweep.reference(p, False)
-    stock = sweep.reference(p, False, stock=True)
-    assert sum(nonfinite(t) for t in ours) == 0
-    assert torch.equal(ours.out[3:7], torch.zeros_like(ours.out[3:7]))
-    assert torch.equal(ours.dq[3:7], torch.zeros_like(ours.dq[3:7]))
-    for n in sweep.Attn._fields:
-        r = getattr(ref, n)
-        assert max_err(getattr(ours, n), r) <= \
-            2 * max_err(getattr(stock, n), r) + floor_for(r, DTYPE), n
-
-
-@pytest.mark.parametrize("engine", IN_PROCESS_ENGINES)
-def test_keys_without_queries(engine, engine_setting):
-    """The mirror case: a sequence with keys but no queries gets zero dK and
-    dV (nothing attends to its keys), not whatever the buffers held; the other
-    sequences within twice stock's error."""
-    p = sweep.packed_adversarial([3, 0, 2], [5, 4, 7], D=64, low="none")
-    for _ in range(2):  # the second call reuses the first's freed buffers
+@pytest.mark.parametrize("lens_q, lens_k, rows, zero", [
+    ([3, 4, 2], [5, 0, 7], slice(3, 7), ("out", "dq")),  # queries, no keys
+    ([3, 0, 2], [5, 4, 7], slice(5, 9), ("dk", "dv")),   # keys, no queries
+], ids=["queries_without_keys", "keys_without_queries"])
+def test_sequence_with_one_side_empty(lens_q, lens_k, rows, zero, engine, engine_setting):
+    """A sequence with queries but no keys gets zero output and dQ; one with
+    keys but no queries zero dK and dV (F.sdpa on that sequence alone), not
+    whatever the buffers held (the second call reuses the first's freed
+    memory). No NaN anywhere, and the other sequences within twice stock's
+    error (efficient attention on each sequence alone)."""
+    p = sweep.packed_adversarial(lens_q, lens_k, D=64, low="none")
+    for _ in range(2):
         ours, _ = run_public(p, engine_setting, engine, False)
     ref = sweep.reference(p, False)
     stock = sweep.reference(p, False, stock=True)
     assert sum(nonfinite(t) for t in ours) == 0
-    assert torch.equal(ours.dk[5:9], torch.zeros_like(ours.dk[5:9]))
-    assert torch.equal(ours.dv[5:9], torch.zeros_like(ours.dv[5:9]))
+    for n in zero:
+        t = getattr(ours, n)[rows]
+        assert torch.equal(t, torch.zeros_like(t)), n
     for n in sweep.Attn._fields:
         r = getattr(ref, n)
         assert max_err(getattr(ours, n), r) <= \
