@@ -330,7 +330,9 @@ def scenario_table(scenarios):
 
 def targets(scenarios):
     """Issue 44's targets, each with its worst figure, where, and whether met. A speed-up target
-    reads the median over rounds, except "in every round", which reads the smallest round."""
+    reads the median over rounds of wall time, except "in every round", which reads the
+    smallest round; beside it the same figure in GPU busy time (not judged: where the packed
+    step is host-bound, the two part)."""
     out = []
     speed = (("varlen / padded-openwam >= 2.2 at >= 50% padding", BASE, 2.2, "median",
               lambda e: e["padding_share"] >= 0.50),
@@ -339,14 +341,18 @@ def targets(scenarios):
              ("varlen / padded-openwam >= 1.0 in every round at < 5% padding", BASE, 1.0, "min",
               lambda e: e["padding_share"] < 0.05))
     for text, other, bound, stat, applies in speed:
-        vals = [(e["speedup"][other][stat], f"{e['scenario']} {e['tokens']}")
-                for e in scenarios if "speedup" in e and applies(e)]
-        out.append(_worst(text, vals, lambda v: v >= bound))
+        measured = [e for e in scenarios if "speedup" in e and applies(e)]
+        vals = [(e["speedup"][other][stat], f"{e['scenario']} {e['tokens']}") for e in measured]
+        target = _worst(text, vals, lambda v: v >= bound)
+        gpu = [timing.round_ratios(e["runs"], other, VARLEN, "gpu_ms") for e in measured]
+        target["worst_gpu"] = min((g[stat] for g in gpu if g), default=None)
+        out.append(target)
     # Peak memory: varlen's over varlen-flash's (today's engine), the largest ratio.
     vals = [(e["peak_mib"][VARLEN] / e["peak_mib"][FLASH], f"{e['scenario']} {e['tokens']}")
             for e in scenarios if e.get("peak_mib", {}).get(FLASH)]
     out.append(_worst("peak memory varlen / varlen-flash <= 1.0", vals, lambda v: v <= 1.0,
                       largest=True))
+    out[-1]["format"] = "{:.4f}"  # a few MiB in 12 GiB
     return out
 
 
@@ -358,8 +364,10 @@ def _worst(text, vals, ok, largest=False):
 
 def markdown(result):
     s, d = result["settings"], result["distribution"]
-    rows = [[t["target"], report.num(t["worst"]), t["where"] or report.DASH,
-             {True: "yes", False: "NO", None: "not measured"}[t["met"]]]
+    rows = [[t["target"], report.num(t["worst"], t.get("format", "{:.3f}")),
+             t["where"] or report.DASH,
+             {True: "yes", False: "NO", None: "not measured"}[t["met"]],
+             report.num(t.get("worst_gpu"))]
             for t in targets(result["scenarios"])]
     parts = [f"### Padding-free training: {report.stack_title(result['stack'])}, transformers "
              f"{result['stack'].get('transformers')}", "",
@@ -371,7 +379,8 @@ def markdown(result):
              f"of {s['wall_steps']} steps timed one by one (synchronised). tokens/s: real tokens over "
              "the median wall time; ratios: median [min–max] over rounds of varlen's speed-up.", "",
              scenario_table(result["scenarios"]), "",
-             report.md_table(["target", "worst", "where", "met"], rows), ""]
+             report.md_table(["target", "worst", "where", "met", "worst in GPU busy time"], rows),
+             ""]
     return "\n".join(parts)
 
 
