@@ -157,7 +157,7 @@ bool ragged_forward(const at::Tensor& query, const at::Tensor& key, const at::Te
     pack[kOffset] = result.philox_offset.data_ptr();
   }
   run(*graph, pack, fwd);
-  zero_unattended_rows(result.out, cu_q, cu_k, cu_q.size(0) - 1);
+  zero_rows_without_keys(result.out, cu_q, cu_k, cu_q.size(0) - 1);
   return true;
 }
 
@@ -201,10 +201,7 @@ bool ragged_backward(const at::Tensor& grad_out, const at::Tensor& query, const 
     pack[kOffset] = philox_offset.data_ptr();
   }
   run(*graph, pack, bwd);
-  const int64_t batch = cu_q.size(0) - 1;
-  zero_unattended_rows(dq, cu_q, cu_k, batch);
-  zero_unattended_rows(dk, cu_k, cu_q, batch);
-  zero_unattended_rows(dv, cu_k, cu_q, batch);
+  zero_unattended_grads(dq, dk, dv, cu_q, cu_k, cu_q.size(0) - 1);
   grads = {dq, dk, dv};
   return true;
 }

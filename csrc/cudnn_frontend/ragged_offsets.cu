@@ -27,32 +27,66 @@ __global__ void fill_ragged(const int32_t* cu_q, const int32_t* cu_k, int64_t ba
   }
 }
 
-__global__ void zero_unattended(uint16_t* rows, int64_t row_elems, const int32_t* cu_rows,
-                                const int32_t* cu_partner) {
+// A packed tensor whose rows (laid out by cu_rows) are zeroed where the
+// sequence's other side (cu_partner) is empty; blockIdx.z picks the tensor.
+struct Unattended {
+  uint16_t* rows;
+  int64_t row_elems;
+  const int32_t* cu_rows;
+  const int32_t* cu_partner;
+};
+struct UnattendedSet {
+  Unattended t[3];
+};
+
+__global__ void zero_unattended(UnattendedSet set) {
+  const Unattended& t = set.t[blockIdx.z];
   const int64_t b = blockIdx.x;
-  if (cu_partner[b + 1] != cu_partner[b]) {
+  if (t.cu_partner[b + 1] != t.cu_partner[b]) {
     return;
   }
-  const int64_t first = cu_rows[b] * row_elems, end = cu_rows[b + 1] * row_elems;
+  const int64_t first = t.cu_rows[b] * t.row_elems, end = t.cu_rows[b + 1] * t.row_elems;
   for (int64_t i = first + blockIdx.y * blockDim.x + threadIdx.x; i < end;
        i += static_cast<int64_t>(gridDim.y) * blockDim.x) {
-    rows[i] = 0;
+    t.rows[i] = 0;
   }
+}
+
+Unattended unattended(at::Tensor& packed, const at::Tensor& cu_rows,
+                      const at::Tensor& cu_partner) {
+  TORCH_INTERNAL_ASSERT(packed.is_contiguous() && packed.element_size() == 2);
+  return {static_cast<uint16_t*>(packed.data_ptr()), packed.size(1) * packed.size(2),
+          cu_rows.data_ptr<int32_t>(), cu_partner.data_ptr<int32_t>()};
+}
+
+// One launch over `count` tensors; none where both sides share one
+// cu_seqlens (then no side is empty without the other).
+void launch(const UnattendedSet& set, int count, const at::Tensor& cu_q, const at::Tensor& cu_k,
+            int64_t batch) {
+  if (batch == 0 || cu_q.data_ptr() == cu_k.data_ptr()) {
+    return;
+  }
+  const dim3 grid(static_cast<unsigned>(batch), 8, static_cast<unsigned>(count));
+  zero_unattended<<<grid, 256, 0, at::cuda::getCurrentCUDAStream(cu_q.device().index())>>>(set);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
 
-void zero_unattended_rows(at::Tensor& packed, const at::Tensor& cu_rows,
-                          const at::Tensor& cu_partner, int64_t batch) {
-  TORCH_INTERNAL_ASSERT(packed.is_contiguous() && packed.element_size() == 2);
-  if (batch == 0 || packed.numel() == 0 || cu_rows.data_ptr() == cu_partner.data_ptr()) {
-    return;
-  }
-  const dim3 grid(static_cast<unsigned>(batch), 8);
-  zero_unattended<<<grid, 256, 0, at::cuda::getCurrentCUDAStream(packed.device().index())>>>(
-      static_cast<uint16_t*>(packed.data_ptr()), packed.size(1) * packed.size(2),
-      cu_rows.data_ptr<int32_t>(), cu_partner.data_ptr<int32_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+void zero_rows_without_keys(at::Tensor& out, const at::Tensor& cu_q, const at::Tensor& cu_k,
+                            int64_t batch) {
+  UnattendedSet set{};
+  set.t[0] = unattended(out, cu_q, cu_k);
+  launch(set, 1, cu_q, cu_k, batch);
+}
+
+void zero_unattended_grads(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                           const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t batch) {
+  UnattendedSet set{};
+  set.t[0] = unattended(dq, cu_q, cu_k);
+  set.t[1] = unattended(dk, cu_k, cu_q);
+  set.t[2] = unattended(dv, cu_k, cu_q);
+  launch(set, 3, cu_q, cu_k, batch);
 }
 
 void* RaggedOffsets::offsets_of(RaggedTensor t) const {

@@ -29,14 +29,16 @@ RaggedOffsets ragged_offsets(const at::Tensor& cu_seqlens_q, const at::Tensor& c
                              int64_t batch, int64_t bucket,
                              const std::array<int64_t, kRaggedTensors>& row_strides);
 
-// Zeroes the rows of `packed` ([total, H, E] laid out by `cu_rows`,
-// contiguous, 2-byte elements) that belong to sequences whose other side
-// (`cu_partner`) is empty: cuDNN writes nothing for a sequence without keys
-// (its output and dQ rows; measured on 9.19.0) and, by the same tiling, for
-// one without queries (its dK and dV rows), where F.sdpa's answer is 0. One
-// launch, none where both sides share one cu_seqlens (no side is empty then
-// without the other); sequences with both sides exit.
-void zero_unattended_rows(at::Tensor& packed, const at::Tensor& cu_rows,
-                          const at::Tensor& cu_partner, int64_t batch);
+// cuDNN writes nothing for a sequence without keys (its output and dQ rows;
+// measured on 9.19.0) and, by the same tiling, for one without queries (its
+// dK and dV rows), where F.sdpa's answer is 0. These zero those rows of
+// packed [total, H, E] tensors (contiguous, 2-byte elements) in one launch,
+// none where cu_seqlens_q and cu_seqlens_k are one tensor (no side is then
+// empty without the other); sequences with both sides exit at once.
+void zero_rows_without_keys(at::Tensor& out, const at::Tensor& cu_seqlens_q,
+                            const at::Tensor& cu_seqlens_k, int64_t batch);
+void zero_unattended_grads(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                           const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                           int64_t batch);
 
 }  // namespace openwam::frontend
