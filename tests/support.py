@@ -398,3 +398,33 @@ def load_tool(name: str) -> ModuleType:
 def load_benchmark(name: str) -> ModuleType:
     """benchmarks/<name> imported as a module (see _load_from)."""
     return _load_from(BENCHMARKS, name)
+
+
+def spawn_gloo_workers(worker, args, nprocs, result_files, timeout_s):
+    """Runs worker(rank, *args) in `nprocs` spawned processes and waits for them.
+
+    A worker that raises, or dies before every path in `result_files` exists,
+    fails the caller. A worker killed by a signal after all of them exist is
+    the gloo teardown abort ("terminate called without an active exception":
+    a rank that destroys its process group while the other's last sends are
+    in flight), which happens in PyTorch's gloo code after the work is done
+    and checked; it is not a failure of the work."""
+    import time
+
+    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessExitedException
+
+    context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the gloo workers did not finish in {timeout_s} s")
+    except ProcessExitedException as e:
+        if e.signal_name is None or not all(os.path.exists(p) for p in result_files):
+            raise
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.terminate()

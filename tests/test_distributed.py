@@ -25,7 +25,8 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from support import spawn_gloo_workers
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(),
@@ -376,6 +377,7 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
         dist.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(outcomes, f)
+    dist.barrier()  # both results written before either rank tears gloo down
     dist.destroy_process_group()
 
 
@@ -383,17 +385,8 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
 def outcomes(tmp_path_factory):
     """{case: [outcome on rank 0, outcome on rank 1]}, from one spawn."""
     out_dir = tmp_path_factory.mktemp("distributed")
-    context = mp.start_processes(_worker, args=(str(out_dir / "store"), str(out_dir)),
-                                 nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the gloo workers did not finish in {SPAWN_TIMEOUT_S} s")
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.terminate()
+    spawn_gloo_workers(_worker, (str(out_dir / "store"), str(out_dir)), WORLD,
+                       [str(out_dir / f"rank{r}.json") for r in range(WORLD)], SPAWN_TIMEOUT_S)
     per_rank = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
     return {name: [ranks[name] for ranks in per_rank] for name in CASES}
 

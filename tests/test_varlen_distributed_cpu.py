@@ -11,7 +11,8 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from support import spawn_gloo_workers
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(),
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 WORLD = 2
 
 
-def _worker(rank, init_file, result_file):
+def _worker(rank, init_file, result_dir):
     import openwam_sdpa
     from openwam_sdpa.varlen import cu_seqlens_from_lengths
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -51,16 +52,16 @@ def _worker(rank, init_file, result_file):
         torch.testing.assert_close(out.full_tensor(), ref)
         for gr, r in zip(grads, ref_grads):
             torch.testing.assert_close(gr.full_tensor(), r)
-        if rank == 0:
-            with open(result_file, "w") as f:
-                f.write("ok")
+        with open(os.path.join(result_dir, f"rank{rank}"), "w") as f:
+            f.write("ok")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 def test_head_sharded_varlen_matches_unsharded():
     with tempfile.TemporaryDirectory() as tmp:
-        init_file, result_file = os.path.join(tmp, "init"), os.path.join(tmp, "result")
-        mp.start_processes(_worker, args=(init_file, result_file), nprocs=WORLD,
-                           start_method="spawn", join=True)
-        assert open(result_file).read() == "ok"
+        results = [os.path.join(tmp, f"rank{r}") for r in range(WORLD)]
+        spawn_gloo_workers(_worker, (os.path.join(tmp, "init"), tmp), WORLD, results,
+                           timeout_s=300)
+        assert [open(r).read() for r in results] == ["ok"] * WORLD
