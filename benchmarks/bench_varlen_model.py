@@ -351,20 +351,19 @@ def targets(scenarios):
     vals = [(e["peak_mib"][VARLEN] / e["peak_mib"][FLASH], f"{e['scenario']} {e['tokens']}")
             for e in scenarios if e.get("peak_mib", {}).get(FLASH)]
     out.append(_worst("peak memory varlen / varlen-flash <= 1.0", vals, lambda v: v <= 1.0,
-                      largest=True))
-    out[-1]["format"] = "{:.4f}"  # a few MiB in 12 GiB
+                      largest=True, fmt="{:.4f}"))  # a few MiB in 12 GiB
     return out
 
 
-def _worst(text, vals, ok, largest=False):
+def _worst(text, vals, ok, largest=False, fmt="{:.3f}"):
     worst = (max if largest else min)(vals) if vals else (None, None)
-    return {"target": text, "worst": worst[0], "where": worst[1],
+    return {"target": text, "worst": worst[0], "where": worst[1], "format": fmt,
             "met": None if worst[0] is None else ok(worst[0])}
 
 
 def markdown(result):
     s, d = result["settings"], result["distribution"]
-    rows = [[t["target"], report.num(t["worst"], t.get("format", "{:.3f}")),
+    rows = [[t["target"], report.num(t["worst"], t["format"]),
              t["where"] or report.DASH,
              {True: "yes", False: "NO", None: "not measured"}[t["met"]],
              report.num(t.get("worst_gpu"))]
