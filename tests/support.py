@@ -300,6 +300,26 @@ def max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.double() - ref).abs().max())
 
 
+DROPOUT_DRAWS = 16
+
+
+def dropout_bias(forward, ref_out: torch.Tensor, draws: int = DROPOUT_DRAWS) -> float:
+    """How far the mean of out - ref lies from 0, in standard errors, over
+    `draws` calls of forward() with fresh dropout: each draw's mean error is
+    one sample. (The elements of one draw are not independent samples: a row's
+    outputs share its dropout draws over the keys, so one draw's own spread
+    understates the noise of its mean; with 3 keys, 8 rows and head_dim 64
+    that made 1 in 200 unbiased draws look 6 standard errors off.) inf for a
+    constant nonzero offset."""
+    with torch.no_grad():
+        means = torch.stack([(forward().double() - ref_out.double()).mean()
+                             for _ in range(draws)])
+    mean, se = float(means.mean()), float(means.std()) / math.sqrt(draws)
+    if se == 0.0:
+        return 0.0 if mean == 0.0 else math.inf
+    return abs(mean) / se
+
+
 def ulp_at_max(ref: torch.Tensor, dtype: torch.dtype) -> float:
     """eps(dtype) * max|ref|: the spacing of `dtype` near the tensor's
     largest entry (up to a factor 2); 0 for an empty tensor."""

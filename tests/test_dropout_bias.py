@@ -1,0 +1,40 @@
+"""support.dropout_bias, the fuzzes' unbiasedness check for dropout: one
+sample per dropout draw, so that outputs sharing a row's draws do not pass for
+independent samples."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from support import dropout_bias
+
+
+def _dropout_like(offset: float, generator: torch.Generator):
+    """A forward whose rows share one keep/drop draw over 3 "keys" (as dropout
+    over 3 keys gives): out - ref is correlated within each row."""
+    values = torch.randn(3, 64, generator=generator)
+    ref = values.mean(0).expand(8, 64)
+
+    def forward():
+        keep = (torch.rand(8, 3, 1, generator=generator) > 0.125).double() / 0.875
+        return (keep * values.double()).mean(1) + offset
+
+    return forward, ref
+
+
+def test_unbiased_draws_pass():
+    forward, ref = _dropout_like(0.0, torch.Generator().manual_seed(0))
+    assert dropout_bias(forward, ref) < 6
+
+
+def test_a_bias_of_a_few_percent_fails():
+    forward, ref = _dropout_like(0.2, torch.Generator().manual_seed(0))
+    assert dropout_bias(forward, ref) > 6
+
+
+def test_constant_outputs():
+    ref = torch.zeros(4, 4)
+    assert dropout_bias(lambda: torch.zeros(4, 4), ref) == 0.0
+    assert dropout_bias(lambda: torch.full((4, 4), 1e-3), ref) == math.inf
