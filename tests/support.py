@@ -309,11 +309,12 @@ def dropout_bias(forward, ref_out: torch.Tensor, draws: int = DROPOUT_DRAWS) -> 
     one sample. (The elements of one draw are not independent samples: a row's
     outputs share its dropout draws over the keys, so one draw's own spread
     understates the noise of its mean; with 3 keys, 8 rows and head_dim 64
-    that made 1 in 200 unbiased draws look 6 standard errors off.) inf for a
-    constant nonzero offset."""
-    with torch.no_grad():
-        means = torch.stack([(forward().double() - ref_out.double()).mean()
-                             for _ in range(draws)])
+    that made 1 in 200 unbiased draws look 6 standard errors off.) Grad
+    stays enabled: a differentiated call's forward is the one under test (the
+    op may plan a call nothing differentiates differently). inf for a
+    constant nonzero offset, NaN for a non-finite output."""
+    means = torch.stack([(forward().detach().double() - ref_out.double()).mean()
+                         for _ in range(draws)])
     mean, se = float(means.mean()), float(means.std()) / math.sqrt(draws)
     if se == 0.0:
         return 0.0 if mean == 0.0 else math.inf
@@ -349,6 +350,40 @@ def twice_stock_problem(name, err, stock_err, floor) -> str | None:
         return (f"{name}: error {err:.3e} > {STOCK_FACTOR:g} x stock {stock_err:.3e} "
                 f"+ floor {floor:.3e} = {bound:.3e}")
     return None
+
+
+def contract_clause(err, floor, *, best, as_called, flash_efficient,
+                    key_padded=lambda: math.inf) -> str | None:
+    """The dense fuzz's rule on one tensor: which clause admits the op's max
+    error `err` (None: none does). best: the best finite stock backend's
+    error; as_called: stock F.sdpa's as the user calls it (inf or NaN where
+    it is not finite); flash_efficient: the worse of flash and efficient
+    attention's, the yardstick where stock as called is not finite;
+    key_padded: a callable giving stock cuDNN's error on the same attention
+    with the keys padded to a multiple of 128 (inf where that cannot run),
+    the clause beyond the contract for cuDNN's own arithmetic, called only
+    where stock as called is not finite and no other clause admits."""
+    if math.isfinite(best) and err <= STOCK_FACTOR * best + floor:
+        return "best stock"
+    if math.isfinite(as_called):  # inf: stock as called refused the call, or NaN
+        return "as called" if err <= STOCK_FACTOR * as_called + floor else None
+    if err <= flash_efficient:
+        return "flash or efficient"
+    own = key_padded()
+    if math.isfinite(own) and err <= STOCK_FACTOR * own + floor:
+        return "key-padded cuDNN"
+    return None
+
+
+def packed_yardstick(as_called, varlen, flash, efficient) -> float:
+    """The varlen fuzz's yardstick on one sequence's tensor: the op passes
+    within twice any of stock F.sdpa as called on the sequence alone, stock
+    varlen (FlashAttention-2's) on the pack, and, where stock as called is not
+    finite, the worse of flash and efficient attention; so the largest finite
+    of those (inf where none is)."""
+    candidates = [as_called, varlen] + ([flash, efficient] if not math.isfinite(as_called)
+                                        else [])
+    return max((e for e in candidates if math.isfinite(e)), default=math.inf)
 
 
 def rule_violation(name, ours, stock, ref, dtype) -> str | None:

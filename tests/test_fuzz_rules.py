@@ -1,0 +1,64 @@
+"""The GPU fuzzes' rules, as pure functions of measured errors
+(support.contract_clause for the dense fuzz, support.packed_yardstick for the
+varlen one): which clause admits what, and that an error none admits fails."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from support import contract_clause, packed_yardstick
+
+NAN, INF = math.nan, math.inf
+
+
+def clause(err, best=1.0, as_called=1.0, flash_efficient=-INF, key_padded=INF, floor=0.0):
+    calls = []
+
+    def padded():
+        calls.append(1)
+        return key_padded
+
+    got = contract_clause(err, floor, best=best, as_called=as_called,
+                          flash_efficient=flash_efficient, key_padded=padded)
+    return got, len(calls)
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    (dict(err=1.9), ("best stock", 0)),
+    (dict(err=2.1, floor=0.2), ("best stock", 0)),
+    (dict(err=3.0, best=1.0, as_called=2.0), ("as called", 0)),
+    # stock as called finite: neither flash/efficient nor key-padded cuDNN may admit
+    (dict(err=5.0, as_called=2.0, flash_efficient=9.0, key_padded=9.0), (None, 0)),
+    # stock as called NaN or refused: the worse of flash and efficient, at 1x
+    (dict(err=3.0, as_called=NAN, flash_efficient=3.0), ("flash or efficient", 0)),
+    (dict(err=3.0, as_called=INF, flash_efficient=3.0), ("flash or efficient", 0)),
+    # then key-padded stock cuDNN, at 2x, run only then
+    (dict(err=6.0, as_called=NAN, flash_efficient=3.0, key_padded=3.0), ("key-padded cuDNN", 1)),
+    (dict(err=6.1, as_called=NAN, flash_efficient=3.0, key_padded=3.0), (None, 1)),
+    # key-padded cuDNN that could not run, or NaN, admits nothing
+    (dict(err=6.0, as_called=NAN, flash_efficient=3.0, key_padded=INF), (None, 1)),
+    (dict(err=6.0, as_called=NAN, flash_efficient=3.0, key_padded=NAN), (None, 1)),
+    # a NaN error passes no clause
+    (dict(err=NAN, as_called=NAN, flash_efficient=3.0, key_padded=3.0), (None, 1)),
+])
+def test_contract_clause(kwargs, expected):
+    assert clause(**kwargs) == expected
+
+
+@pytest.mark.parametrize("args, expected", [
+    ((1.0, 3.0, 5.0, 7.0), 3.0),  # stock as called finite: as called or stock varlen
+    ((1.0, INF, 5.0, 7.0), 1.0),  # stock varlen not applicable
+    ((NAN, 3.0, 5.0, 7.0), 7.0),  # as called NaN: flash and efficient join
+    ((NAN, INF, 5.0, NAN), 5.0),
+    ((INF, INF, INF, INF), INF),  # no finite stock: finite is the bar
+])
+def test_packed_yardstick(args, expected):
+    assert packed_yardstick(*args) == expected
+
+
+def test_a_refused_stock_call_admits_nothing_by_itself():
+    """Stock F.sdpa as called raising (error inf) is not a yardstick of inf."""
+    assert clause(1e9, as_called=INF) == (None, 1)
+    assert clause(1e9, best=INF, as_called=INF, flash_efficient=-INF) == (None, 1)
