@@ -33,7 +33,7 @@ untimed step, then --wall-steps steps timed one by one, synchronised before and 
 (timing.synced_steps_ms); its figure is their median. Then --gpu-rounds rounds of GPU busy time
 (profiler). Throughput: real (non-padding) tokens per second of wall time. Ratios: median over
 rounds of the per-round ratio, varlen's tokens/s over each other contender's. Targets (issue
-44): varlen >= 2.2x padded-openwam at >= 50% padding (the 58% batch), >= 1.6x packed-sdpa at
+44): varlen >= 2.2x padded-openwam at >= 50% padding (the random batch), >= 1.6x packed-sdpa at
 packs >= 4096 tokens, at < 5% padding never below padded-openwam in any round (the smallest
 per-round ratio >= 1), and peak memory no higher than varlen-flash's.
 
@@ -41,7 +41,7 @@ per-round ratio >= 1), and peak memory no higher than varlen-flash's.
     python benchmarks/bench_varlen_model.py --tokens 8192,32768 --rounds 8
     python benchmarks/bench_varlen_model.py --selftest --out /tmp/varlen   # CPU, tiny, checks outputs
 Writes varlen_model.json and varlen_model.md under --out. About 3 minutes on an H200 (measured:
-183 s for 2 scenarios x 6 contenders x 5 rounds x 7 steps of 0.15-0.55 s, plus model building).
+183 s for 2 scenarios x 6 contenders x 5 rounds x 7 steps of 0.15-0.70 s, plus model building).
 """
 
 from __future__ import annotations
