@@ -39,6 +39,18 @@ def test_a_non_finite_output_fails():
     assert not dropout_bias(lambda: torch.full((4, 4), float("nan")), ref) <= 6
 
 
+def test_draws_are_differentiated_calls():
+    """The op may plan a call nothing differentiates differently: the draws
+    must be the training forward, with grad enabled."""
+    ref = torch.zeros(4, 4)
+
+    def forward():
+        assert torch.is_grad_enabled()
+        return torch.zeros(4, 4)
+
+    assert dropout_bias(forward, ref) == 0.0
+
+
 def test_constant_outputs():
     ref = torch.zeros(4, 4)
     assert dropout_bias(lambda: torch.zeros(4, 4), ref) == 0.0
