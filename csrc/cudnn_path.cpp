@@ -38,10 +38,17 @@ struct CudnnSdpaBackward final : public Node {
       return variable_list(3);  // an undefined gradient means zero
     }
     const NodePtr self = Ownership::self(this);
+    // Unpacked before the guard below: under non-reentrant activation
+    // checkpointing the first unpack recomputes the checkpointed forward,
+    // which must run through autograd to save its tensors again (inside the
+    // guard it saved none, and torch.utils.checkpoint raised).
     std::optional<at::Tensor> bias_opt;
     if (has_bias) {
       bias_opt = bias.unpack();
     }
+    const at::Tensor q = query.unpack(), k = key.unpack(), v = value.unpack();
+    const at::Tensor o = out.unpack(self), lse = logsumexp.unpack(self);
+    const at::Tensor seed = philox_seed.unpack(self), offset = philox_offset.unpack(self);
     // A plain backward (no create_graph) records nothing, so the backward op
     // and the ATen calls inside it skip their autograd kernels (a microsecond
     // or two of host time). With create_graph the call keeps them: PyTorch's
@@ -51,9 +58,7 @@ struct CudnnSdpaBackward final : public Node {
       below_autograd.emplace();
     }
     auto [dq, dk, dv] = ops::cudnn_sdpa_backward().call(
-        grad_out, query.unpack(), key.unpack(), value.unpack(), bias_opt,
-        out.unpack(self), logsumexp.unpack(self), philox_seed.unpack(self),
-        philox_offset.unpack(self), dropout_p, is_causal, scale, plan);
+        grad_out, q, k, v, bias_opt, o, lse, seed, offset, dropout_p, is_causal, scale, plan);
     variable_list result(3);
     if (task_should_compute_output(0)) result[0] = std::move(dq);
     if (task_should_compute_output(1)) result[1] = std::move(dk);

@@ -37,15 +37,19 @@ struct SdpaVarlenBackward final : public Node {
       return variable_list(3);  // an undefined gradient means zero
     }
     const NodePtr self = Ownership::self(this);
+    // Unpacked before the guard, as in CudnnSdpaBackward (cudnn_path.cpp):
+    // non-reentrant checkpointing recomputes the forward at the first unpack.
+    const at::Tensor q = query.unpack(), k = key.unpack(), v = value.unpack();
+    const at::Tensor o = out.unpack(self), lse = logsumexp.unpack(self);
+    const at::Tensor state = rng_state.unpack(self), offset = rng_offset.unpack(self);
+    const at::Tensor cu_q = cu_seqlens_q.unpack(), cu_k = cu_seqlens_k.unpack();
     std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
     if (!at::GradMode::is_enabled()) {
       below_autograd.emplace();
     }
     auto [dq, dk, dv] = ops::sdpa_varlen_backward().call(
-        grad_out, query.unpack(), key.unpack(), value.unpack(), out.unpack(self),
-        logsumexp.unpack(self), rng_state.unpack(self), rng_offset.unpack(self),
-        cu_seqlens_q.unpack(), cu_seqlens_k.unpack(), max_seqlen_q, max_seqlen_k, dropout_p,
-        is_causal, scale, backend);
+        grad_out, q, k, v, o, lse, state, offset, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
+        dropout_p, is_causal, scale, backend);
     variable_list result(3);
     if (task_should_compute_output(0)) result[0] = std::move(dq);
     if (task_should_compute_output(1)) result[1] = std::move(dk);

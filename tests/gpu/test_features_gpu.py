@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from support import (
+    Attn,
     assert_close_to_reference,
     assert_within_stock,
     nonfinite,
@@ -157,6 +158,30 @@ def test_explicit_scale(scale, data, ow, settings):
     ours = run(ow.sdpa, q, k, v, go, attn_mask=mask, scale=scale)
     _check_against_reference(ours, q, k, v, go, attn_mask=mask, scale=scale,
                              low_rows=(9,) if data == "adversarial" else ())
+
+
+# ---------------------------------------------------------------- activation checkpointing
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("mask_kind", ["none", "bool"])
+def test_activation_checkpointing(mask_kind, use_reentrant, ow, settings):
+    """torch.utils.checkpoint recomputes the forward in the backward
+    (non-reentrant: at the first unpack of a saved tensor, inside the op's
+    backward node). Adversarial rows and a key tail of 64 (the fix's plan)."""
+    from torch.utils.checkpoint import checkpoint
+
+    settings(cudnn="1", pad="auto")
+    s_q, s_kv = 256, 320
+    q, k, v = _inputs("adversarial", s_q, s_kv, seed=41)
+    mask = cuda_mask(mask_kind, B, 1, s_q, s_kv, seed=42)
+    go = cuda_randn(*q.shape, seed=43)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = checkpoint(lambda q, k, v: ow.sdpa(q, k, v, attn_mask=mask), *leaves,
+                     use_reentrant=use_reentrant)
+    out.backward(go)  # reentrant checkpointing refuses torch.autograd.grad
+    ours = Attn(out.detach(), *(t.grad for t in leaves))
+    _check_against_reference(ours, q, k, v, go, attn_mask=mask, low_rows=(9,))
 
 
 # ---------------------------------------------------------------- GQA, dtypes

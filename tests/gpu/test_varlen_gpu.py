@@ -231,6 +231,25 @@ def test_graph_builds_over_200_lognormal_batches(engine_setting, suite_results):
     assert len(backwards) <= 12, sorted(backwards)
 
 
+@pytest.mark.parametrize("engine", IN_PROCESS_ENGINES)
+def test_activation_checkpointing(engine, engine_setting):
+    """Non-reentrant torch.utils.checkpoint recomputes the forward inside the
+    op's backward node; the gradients equal the uncheckpointed call's within
+    the suite's rule (adversarial rows and 64 mod 128 lengths)."""
+    from torch.utils.checkpoint import checkpoint
+
+    p = sweep.packed_adversarial([192, 1, 320], None, D=128)
+    engine_setting(engine)
+
+    def call(q, k, v):
+        return openwam_sdpa.varlen_sdpa(q, k, v, p.cu_q, p.cu_k, p.max_q, p.max_k,
+                                        is_causal=True)
+
+    plain = sweep._grads(call(p.q, p.k, p.v), p)
+    ours = sweep._grads(checkpoint(call, p.q, p.k, p.v, use_reentrant=False), p)
+    assert not rule_problems(ours, plain, sweep.reference(p, True), rows=p.low_rows)
+
+
 @pytest.mark.parametrize("engine", ["cudnn", "flash"])
 def test_no_host_sync_and_cuda_graph(engine, engine_setting):
     """The fused engines' forward and backward capture into a CUDA graph

@@ -1,0 +1,68 @@
+"""Activation checkpointing through the op's two autograd nodes, on the CPU.
+
+Non-reentrant torch.utils.checkpoint recomputes the checkpointed forward when
+the backward first unpacks a saved tensor, inside the node's apply(). The
+nodes unpack before they drop below autograd for the backward op; before
+that order, the recompute saved nothing and checkpoint raised ("a different
+number of tensors was saved"). The CPU kernels stand in for cuDNN: the nodes
+are the same on every device (tests/gpu checks the real path)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import openwam_sdpa
+from openwam_sdpa.varlen import cu_seqlens_from_lengths
+
+FWD = torch.ops.openwam._cudnn_sdpa.default
+KEY_TAIL = 1 | 2  # padding_mask + pad_keys_backward (csrc/plan.cpp)
+
+
+def grads(fn, leaves, use_reentrant):
+    """fn's output and its gradients for a fixed upstream gradient, through
+    checkpoint (use_reentrant True/False) or directly (None). By .backward():
+    reentrant checkpointing refuses torch.autograd.grad."""
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    out = fn(*leaves) if use_reentrant is None else checkpoint(fn, *leaves,
+                                                              use_reentrant=use_reentrant)
+    out.backward(torch.linspace(-1, 1, out.numel()).view(out.shape))
+    return (out.detach(),) + tuple(t.grad for t in leaves)
+
+
+def assert_same(a, b):
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("plan", [0, KEY_TAIL], ids=["none", "key_tail"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_dense_leaf(bias, plan, use_reentrant):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 6, 16, generator=g, requires_grad=True) for _ in range(3))
+    b = torch.zeros(2, 1, 6, 6).masked_fill(torch.rand(2, 1, 6, 6, generator=g) < 0.3,
+                                            -math.inf) if bias else None
+    if b is not None:
+        b[..., 0] = 0.0  # every row sees a key
+
+    def fn(q, k, v):
+        return FWD(q, k, v, b, 0.0, False, None, True, plan)[0]
+
+    assert_same(grads(fn, (q, k, v), use_reentrant), grads(fn, (q, k, v), None))
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_varlen(is_causal, use_reentrant):
+    g = torch.Generator().manual_seed(1)
+    cu, longest = cu_seqlens_from_lengths([3, 1, 5])
+    q, k, v = (torch.randn(9, 2, 8, generator=g, requires_grad=True) for _ in range(3))
+
+    def fn(q, k, v):
+        return openwam_sdpa.varlen_sdpa(q, k, v, cu, cu, longest, longest, is_causal=is_causal)
+
+    assert_same(grads(fn, (q, k, v), use_reentrant), grads(fn, (q, k, v), None))
