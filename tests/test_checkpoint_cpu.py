@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import openwam_sdpa
 from openwam_sdpa.varlen import cu_seqlens_from_lengths
+from support import run_by_backward
 
 FWD = torch.ops.openwam._cudnn_sdpa.default
 KEY_TAIL = 1 | 2  # padding_mask + pad_keys_backward (csrc/plan.cpp)
@@ -24,13 +25,11 @@ KEY_TAIL = 1 | 2  # padding_mask + pad_keys_backward (csrc/plan.cpp)
 
 def grads(fn, leaves, use_reentrant):
     """fn's output and its gradients for a fixed upstream gradient, through
-    checkpoint (use_reentrant True/False) or directly (None). By .backward():
-    reentrant checkpointing refuses torch.autograd.grad."""
-    leaves = [t.detach().clone().requires_grad_() for t in leaves]
-    out = fn(*leaves) if use_reentrant is None else checkpoint(fn, *leaves,
-                                                              use_reentrant=use_reentrant)
-    out.backward(torch.linspace(-1, 1, out.numel()).view(out.shape))
-    return (out.detach(),) + tuple(t.grad for t in leaves)
+    checkpoint (use_reentrant True/False) or directly (None)."""
+    call = fn if use_reentrant is None else (
+        lambda *xs: checkpoint(fn, *xs, use_reentrant=use_reentrant))
+    go = torch.linspace(-1, 1, leaves[0].numel()).view(leaves[0].shape)
+    return run_by_backward(call, *leaves, go)
 
 
 def assert_same(a, b):

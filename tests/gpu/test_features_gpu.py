@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from support import (
-    Attn,
     assert_close_to_reference,
     assert_within_stock,
     nonfinite,
     nonfinite_grads,
     reference,
     run,
+    run_by_backward,
 )
 
 from .conftest import (
@@ -176,11 +176,12 @@ def test_activation_checkpointing(mask_kind, use_reentrant, ow, settings):
     q, k, v = _inputs("adversarial", s_q, s_kv, seed=41)
     mask = cuda_mask(mask_kind, B, 1, s_q, s_kv, seed=42)
     go = cuda_randn(*q.shape, seed=43)
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = checkpoint(lambda q, k, v: ow.sdpa(q, k, v, attn_mask=mask), *leaves,
-                     use_reentrant=use_reentrant)
-    out.backward(go)  # reentrant checkpointing refuses torch.autograd.grad
-    ours = Attn(out.detach(), *(t.grad for t in leaves))
+
+    def attention(q, k, v):
+        return ow.sdpa(q, k, v, attn_mask=mask)
+
+    ours = run_by_backward(
+        lambda *xs: checkpoint(attention, *xs, use_reentrant=use_reentrant), q, k, v, go)
     _check_against_reference(ours, q, k, v, go, attn_mask=mask, low_rows=(9,))
 
 
