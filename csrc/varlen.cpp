@@ -184,7 +184,7 @@ at::Tensor sdpa_varlen(const at::Tensor& query, const at::Tensor& key, const at:
   }
   return std::get<0>(ops::sdpa_varlen_forward().call(
       query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-      is_causal, scale, static_cast<int64_t>(d.backend)));
+      is_causal, scale, static_cast<int64_t>(d.backend), call.differentiated()));
 }
 
 // Autocast: as openwam::sdpa (F.sdpa is on autocast's lower-precision list).
@@ -238,12 +238,15 @@ TORCH_LIBRARY_FRAGMENT(openwam, m) {
       "bool enable_gqa=False) -> Tensor");
   // Its leaf ops (torch.compile keeps them whole): `backend` is a
   // VarlenBackend; logsumexp and the rng state are laid out as the engine
-  // gives them (the Meta kernel knows each).
+  // gives them (the Meta kernel knows each). Without compute_log_sumexp (a
+  // call nothing will differentiate) the logsumexp is empty and cuDNN's
+  // ragged engine runs its inference graph (no statistics, no backward graph
+  // prepared).
   m.def(
       "_sdpa_varlen(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, "
       "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, "
-      "bool is_causal, float? scale, int backend) -> (Tensor out, Tensor logsumexp, "
-      "Tensor rng_state, Tensor rng_offset)");
+      "bool is_causal, float? scale, int backend, bool compute_log_sumexp=True) -> "
+      "(Tensor out, Tensor logsumexp, Tensor rng_state, Tensor rng_offset)");
   m.def(
       "_sdpa_varlen_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, "
       "Tensor out, Tensor logsumexp, Tensor rng_state, Tensor rng_offset, "

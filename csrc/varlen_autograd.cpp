@@ -71,13 +71,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sdpa_varlen_autograd(
     c10::DispatchKeySet keys, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
     c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k, double dropout_p, bool is_causal,
-    std::optional<double> scale, int64_t backend) {
+    std::optional<double> scale, int64_t backend, bool compute_log_sumexp) {
   const bool needs_grad = torch::autograd::compute_requires_grad(query, key, value);
+  TORCH_CHECK(!needs_grad || compute_log_sumexp,
+              "openwam::_sdpa_varlen: a call that will be differentiated needs its logsumexp "
+              "(compute_log_sumexp=True)");
   auto result = [&] {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return ops::sdpa_varlen_forward().redispatch(
         keys & c10::after_ADInplaceOrView_keyset, query, key, value, cu_seqlens_q,
-        cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal, scale, backend);
+        cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal, scale, backend,
+        compute_log_sumexp);
   }();
   if (needs_grad) {
     NodePtr node_ptr = Ownership::make<SdpaVarlenBackward>();

@@ -47,6 +47,19 @@ at::Tensor no_rng(const at::Tensor& like) {
   return at::empty({0}, like.options().dtype(at::kLong));
 }
 
+// The logsumexp of a call that no backward will read (compute_log_sumexp
+// false): empty, whatever the engine, so that the Meta kernel can say so.
+at::Tensor no_logsumexp(const at::Tensor& like) {
+  return at::empty({0}, like.options().dtype(at::kFloat));
+}
+
+Tensors4 without_logsumexp(Tensors4 r, const at::Tensor& query, bool compute_log_sumexp) {
+  if (!compute_log_sumexp) {
+    std::get<1>(r) = no_logsumexp(query);
+  }
+  return r;
+}
+
 // ------------------------------------------------------------ CPU: reference
 
 at::ScalarType compute_type(const at::Tensor& t) {
@@ -173,12 +186,13 @@ Tensors3 reference_backward(const at::Tensor& grad_out, const at::Tensor& query,
 Tensors4 cpu_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                      const at::Tensor& cu_q, const at::Tensor& cu_k, c10::SymInt max_q,
                      c10::SymInt max_k, double dropout_p, bool is_causal,
-                     std::optional<double> scale, int64_t backend) {
+                     std::optional<double> scale, int64_t backend, bool compute_log_sumexp) {
   const VarlenBackend b = backend_of(backend, "openwam::_sdpa_varlen");
   TORCH_CHECK(b == VarlenBackend::kReference, "openwam::_sdpa_varlen: the ", to_string(b),
               " engine runs on CUDA only; CPU inputs take the reference (backend 0)");
-  return reference_forward(query, key, value, cu_q, cu_k, max_q, max_k, dropout_p, is_causal,
-                           scale);
+  return without_logsumexp(reference_forward(query, key, value, cu_q, cu_k, max_q, max_k,
+                                             dropout_p, is_causal, scale),
+                           query, compute_log_sumexp);
 }
 
 Tensors3 cpu_backward(const at::Tensor& grad_out, const at::Tensor& query,
@@ -238,7 +252,7 @@ Tensors4 flash_in_ragged_format(const at::Tensor& query, const at::Tensor& key,
 Tensors4 cuda_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                       const at::Tensor& cu_q_in, const at::Tensor& cu_k_in, c10::SymInt max_q,
                       c10::SymInt max_k, double dropout_p, bool is_causal,
-                      std::optional<double> scale, int64_t backend) {
+                      std::optional<double> scale, int64_t backend, bool compute_log_sumexp) {
   const VarlenBackend b = backend_of(backend, "openwam::_sdpa_varlen");
   const at::Tensor cu_q = cu_q_in.contiguous();
   const at::Tensor cu_k = cu_k_in.contiguous();
@@ -252,7 +266,8 @@ Tensors4 cuda_forward(const at::Tensor& query, const at::Tensor& key, const at::
       rng_state = no_rng(query);
       rng_offset = no_rng(query);
     }
-    return {out.contiguous(), lse.contiguous(), rng_state, rng_offset};
+    return without_logsumexp({out.contiguous(), lse.contiguous(), rng_state, rng_offset},
+                             query, compute_log_sumexp);
   }
   TORCH_CHECK(b == VarlenBackend::kCudnnRagged, "openwam::_sdpa_varlen: the ", to_string(b),
               " engine runs on the CPU only");
@@ -260,15 +275,17 @@ Tensors4 cuda_forward(const at::Tensor& query, const at::Tensor& key, const at::
   frontend::RaggedForward f;
   std::string why_not;
   if (frontend::ragged_forward(rows(query), rows(key), rows(value), cu_q, cu_k, mq, mk,
-                               dropout_p, is_causal, scale, /*training=*/true, f, why_not)) {
+                               dropout_p, is_causal, scale, compute_log_sumexp, f, why_not)) {
     if (dropout_p == 0.0) {
       f.philox_seed = no_rng(query);
       f.philox_offset = no_rng(query);
     }
-    return {f.out, f.logsumexp, f.philox_seed, f.philox_offset};
+    return {f.out, compute_log_sumexp ? f.logsumexp : no_logsumexp(query), f.philox_seed,
+            f.philox_offset};
   }
-  return flash_in_ragged_format(query, key, value, cu_q, cu_k, mq, mk, dropout_p, is_causal,
-                                scale, why_not);
+  return without_logsumexp(flash_in_ragged_format(query, key, value, cu_q, cu_k, mq, mk,
+                                                  dropout_p, is_causal, scale, why_not),
+                           query, compute_log_sumexp);
 #else
   TORCH_CHECK(false, "openwam::_sdpa_varlen: cuDNN's ragged layout needs a build with the "
               "cuDNN frontend");
@@ -323,19 +340,22 @@ Tensors3 cuda_backward(const at::Tensor& grad_out, const at::Tensor& query,
 
 // logsumexp per engine: the reference and FlashAttention-2 give
 // [heads, total_q] (float64 for a float64 reference call), cuDNN's ragged
-// layout [total_q, heads, 1]. The rng state is empty without dropout; with
+// layout [total_q, heads, 1]; every engine an empty float32 one without
+// compute_log_sumexp. The rng state is empty without dropout; with
 // dropout it is what the engine's own Meta kernel says (flash: uint64 [2]
 // and []; cuDNN: int64 [] twice).
 Tensors4 meta_forward(const at::Tensor& query, const at::Tensor&, const at::Tensor& value,
                       const at::Tensor&, const at::Tensor&, c10::SymInt, c10::SymInt,
-                      double dropout_p, bool, std::optional<double>, int64_t backend) {
+                      double dropout_p, bool, std::optional<double>, int64_t backend,
+                      bool compute_log_sumexp) {
   const VarlenBackend b = backend_of(backend, "openwam::_sdpa_varlen");
   const c10::SymInt total_q = query.sym_size(0);
   const c10::SymInt heads = query.sym_size(1);
   at::Tensor out = at::empty_symint({total_q, heads, value.sym_size(2)}, query.options());
   const auto f32 = query.options().dtype(
       b == VarlenBackend::kReference ? compute_type(query) : at::kFloat);
-  at::Tensor lse = b == VarlenBackend::kCudnnRagged
+  at::Tensor lse = !compute_log_sumexp ? no_logsumexp(query)
+                   : b == VarlenBackend::kCudnnRagged
                        ? at::empty_symint({total_q, heads, 1}, f32)
                        : at::empty_symint({heads, total_q}, f32);
   at::Tensor state, offset;

@@ -20,7 +20,7 @@ using SdpaVarlenSchema = at::Tensor(const at::Tensor&, const at::Tensor&, const 
 using SdpaVarlenForwardSchema = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, c10::SymInt, c10::SymInt, double, bool, std::optional<double>,
-    int64_t);
+    int64_t, bool);
 
 using SdpaVarlenBackwardSchema = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,

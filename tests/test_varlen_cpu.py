@@ -310,6 +310,39 @@ def test_opcheck(sample):
                                  call.get("is_causal", False), None, 0))
 
 
+def test_leaf_without_logsumexp():
+    """A call nothing will differentiate asks the leaf for no logsumexp: the
+    same output, an empty float32 logsumexp (as the Meta kernel says), and a
+    clear error where autograd would need it."""
+    q, k, v, cu_q, cu_k, max_q, max_k = packed([4, 1, 3], H=2, E=8, requires_grad=False)
+    out, lse, _, _ = LEAF(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, None, 0, False)
+    ref_out, ref_lse, _, _ = LEAF(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, None, 0)
+    assert torch.equal(out, ref_out)
+    assert lse.shape == (0,) and lse.dtype == torch.float32 and ref_lse.numel() > 0
+    torch.library.opcheck(LEAF, (q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, None, 0, False))
+    q.requires_grad_()
+    with pytest.raises(RuntimeError, match="needs its logsumexp"):
+        LEAF(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, None, 0, False)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_the_op_asks_for_a_logsumexp_only_when_differentiated(grad):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    q, k, v, cu_q, cu_k, max_q, max_k = packed([3, 2], H=2, E=8)
+    asked = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is LEAF:
+                asked.append(args[11] if len(args) > 11 else True)
+            return func(*args, **(kwargs or {}))
+
+    with torch.set_grad_enabled(grad), Record():
+        openwam_sdpa.varlen_sdpa(q, k, v, cu_q, cu_k, max_q, max_k)
+    assert asked == [grad]
+
+
 def test_unpad_and_pad_round_trip():
     hidden = torch.randn(3, 5, 4)
     mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])

@@ -8,7 +8,8 @@ On each mesh dimension the rules allow:
   sequence, with no communication, and the outputs keep the placement (the
   logsumexp is sharded on its head dim: 0 for the reference and
   FlashAttention-2, [heads, total_q]; 1 for cuDNN's ragged layout,
-  [total_q, heads, 1]). That is what tensor parallelism does to attention.
+  [total_q, heads, 1]; replicated where it is empty, in a call nothing will
+  differentiate). That is what tensor parallelism does to attention.
   The head counts must divide evenly (grouped-query attention keeps its
   ratio on every rank).
 - everything Replicate.
@@ -39,13 +40,16 @@ def _lse_dim(backend) -> int:
 
 
 def _forward_rule(query, key, value, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale,
-                  backend):
+                  backend, compute_log_sumexp=True):
     from torch.distributed.tensor import Replicate, Shard
 
-    rest = [None] * 6  # max_q, max_k, dropout_p, is_causal, scale, backend
+    # max_q, max_k, dropout_p, is_causal, scale, backend, compute_log_sumexp
+    rest = [None] * 7
     strategies = [([Replicate()] * 4, [Replicate()] * 5 + rest)]
     if _head_dims_ok(query, key):
-        strategies.append(([Shard(1), Shard(_lse_dim(backend)), Replicate(), Replicate()],
+        # Without compute_log_sumexp the logsumexp is empty on every rank.
+        lse = Shard(_lse_dim(backend)) if compute_log_sumexp else Replicate()
+        strategies.append(([Shard(1), lse, Replicate(), Replicate()],
                            [Shard(1)] * 3 + [Replicate()] * 2 + rest))
     return strategies
 

@@ -324,12 +324,34 @@ def test_compile_dynamic_one_graph_for_every_batch(backend):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("compute_log_sumexp", [True, False])
 @pytest.mark.parametrize("engine", ["flash", "cudnn"])
-def test_opcheck_fused_leaf(engine):
+def test_opcheck_fused_leaf(engine, compute_log_sumexp):
     p = sweep.packed_adversarial([37, 1, 64], None, D=64, low="none")
     args = (p.q, p.k, p.v, p.cu_q, p.cu_k, p.max_q, p.max_k, 0.0, True, None,
-            sweep.ENGINE_BITS[engine])
+            sweep.ENGINE_BITS[engine], compute_log_sumexp)
+    if not compute_log_sumexp:
+        args = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in args)
     torch.library.opcheck(torch.ops.openwam._sdpa_varlen.default, args)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_inference_builds_no_backward_graph(is_causal, engine_setting):
+    """A call nothing will differentiate runs cuDNN's inference graph: no
+    statistics written, no backward graph prepared, and the training call's
+    output (adversarial rows and a key tail included)."""
+    engine_setting("cudnn")
+    p = sweep.packed_adversarial([192, 1, 320, 7], None, D=128)
+    args = (p.q, p.k, p.v, p.cu_q, p.cu_k, p.max_q, p.max_k)
+    openwam_sdpa.clear_graph_cache()
+    openwam_sdpa.frontend_stats(reset=True)
+    with torch.no_grad():
+        out = openwam_sdpa.varlen_sdpa(*args, is_causal=is_causal)
+    assert openwam_sdpa.frontend_stats()["ragged_graphs_built"] == 1  # the forward alone
+    trained = openwam_sdpa.varlen_sdpa(*args, is_causal=is_causal)
+    assert nonfinite(out) == 0
+    ref = sweep.reference(p, is_causal)
+    assert max_err(out, ref.out) <= 2 * max_err(trained, ref.out) + floor_for(ref.out, DTYPE)
 
 
 @pytest.mark.parametrize("cell", list(sweep.CELLS))
