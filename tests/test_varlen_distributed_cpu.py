@@ -1,7 +1,8 @@
 """sdpa_varlen under DTensor on the CPU: q, k, v sharded on the head dim
 (tensor parallelism) and cu_seqlens replicated run shard-local through the
-rules of python/openwam_sdpa/varlen_distributed.py, forward and backward,
-and give what the unsharded call gives. Two gloo processes."""
+rules of python/openwam_sdpa/varlen_distributed.py, forward and backward
+(and a forward nothing differentiates), and give what the unsharded call
+gives. Two gloo processes."""
 
 from __future__ import annotations
 
@@ -52,6 +53,11 @@ def _worker(rank, init_file, result_dir):
         torch.testing.assert_close(out.full_tensor(), ref)
         for gr, r in zip(grads, ref_grads):
             torch.testing.assert_close(gr.full_tensor(), r)
+        with torch.no_grad():  # no logsumexp: the rule replicates the empty one
+            served = openwam_sdpa.varlen_sdpa(*leaves, dcu, dcu, max_len, max_len,
+                                              is_causal=True, enable_gqa=True)
+        assert served.placements == (Shard(1),), served.placements
+        torch.testing.assert_close(served.full_tensor(), ref.detach())
         with open(os.path.join(result_dir, f"rank{rank}"), "w") as f:
             f.write("ok")
         dist.barrier()
