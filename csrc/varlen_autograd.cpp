@@ -73,9 +73,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sdpa_varlen_autograd(
     c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k, double dropout_p, bool is_causal,
     std::optional<double> scale, int64_t backend, bool compute_log_sumexp) {
   const bool needs_grad = torch::autograd::compute_requires_grad(query, key, value);
-  TORCH_CHECK(!needs_grad || compute_log_sumexp,
-              "openwam::_sdpa_varlen: a call that will be differentiated needs its logsumexp "
-              "(compute_log_sumexp=True)");
+  // A call recorded without grad and replayed with it (an exported program
+  // after run_decompositions() bakes in the False its trace saw) still gets
+  // the logsumexp its backward reads. Fake tensors pass here too, so the
+  // Meta kernel sees the same flag.
+  compute_log_sumexp = compute_log_sumexp || needs_grad;
   auto result = [&] {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return ops::sdpa_varlen_forward().redispatch(

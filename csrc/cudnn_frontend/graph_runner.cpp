@@ -93,8 +93,15 @@ std::shared_ptr<const BuiltGraph> graph_for(const SdpaGraphKey& key, std::string
 std::shared_ptr<const BuiltGraph> forward_graph(const SdpaGraphKey& fwd, const SdpaGraphKey& bwd,
                                                 bool prepare_backward, std::string& why_not) {
   std::shared_ptr<const BuiltGraph> graph = graph_for(fwd, why_not);
-  if (graph == nullptr || (prepare_backward && graph_for(bwd, why_not) == nullptr)) {
-    record_failure(graph == nullptr ? bwd : fwd, why_not);
+  if (graph == nullptr) {
+    // The backward of a forward that ran elsewhere runs elsewhere too. Not
+    // from an inference forward: its backward key is a training forward's,
+    // which may build.
+    if (prepare_backward) record_failure(bwd, why_not);
+    return nullptr;
+  }
+  if (prepare_backward && graph_for(bwd, why_not) == nullptr) {
+    record_failure(fwd, why_not);
     return nullptr;
   }
   return graph;

@@ -347,11 +347,19 @@ def test_inference_builds_no_backward_graph(is_causal, engine_setting):
     openwam_sdpa.frontend_stats(reset=True)
     with torch.no_grad():
         out = openwam_sdpa.varlen_sdpa(*args, is_causal=is_causal)
+        _, lse, _, _ = torch.ops.openwam._sdpa_varlen(*args, 0.0, is_causal, None,
+                                                      sweep.ENGINE_BITS["cudnn"], False)
+    assert lse.numel() == 0
     assert openwam_sdpa.frontend_stats()["ragged_graphs_built"] == 1  # the forward alone
-    trained = openwam_sdpa.varlen_sdpa(*args, is_causal=is_causal)
+    trained = sweep._grads(openwam_sdpa.varlen_sdpa(*args, is_causal=is_causal), p)
+    stats = openwam_sdpa.frontend_stats()
+    assert stats["ragged_graphs_built"] == 3 and stats["graph_build_failures"] == 0, stats
     assert nonfinite(out) == 0
     ref = sweep.reference(p, is_causal)
-    assert max_err(out, ref.out) <= 2 * max_err(trained, ref.out) + floor_for(ref.out, DTYPE)
+    # The inference graph's output against the training graph's: the same
+    # attention, within the rounding of one element.
+    assert max_err(out, trained.out) <= floor_for(ref.out, DTYPE) * 4
+    assert max_err(out, ref.out) <= 2 * max_err(trained.out, ref.out) + floor_for(ref.out, DTYPE)
 
 
 @pytest.mark.parametrize("cell", list(sweep.CELLS))
