@@ -141,7 +141,7 @@ at::Tensor run_cudnn_path(const SdpaCall& call, const Decision& decision) {
   }
   at::Tensor out = std::get<0>(ops::cudnn_sdpa().call(
       q, k, v, bias, call.dropout_p, call.is_causal, call.scale,
-      /*compute_log_sumexp=*/call.differentiated(), decision.plan.to_int()));
+      /*compute_log_sumexp=*/call.takes_training_forward(), decision.plan.to_int()));
   return three_d ? out.squeeze(1) : out;
 }
 

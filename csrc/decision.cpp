@@ -119,8 +119,10 @@ Decision decide(const SdpaCall& call, const Settings& settings, const Stack& sta
     // Inputs PyTorch would still send to stock cuDNN (and its defects) go
     // elsewhere when they will be differentiated and another backend is
     // allowed; where cuDNN is the only one (sdpa_kernel), the call is the
-    // user's to have, as F.sdpa would run it.
-    if (stack.cudnn_unavailable == nullptr && call.differentiated() &&
+    // user's to have, as F.sdpa would run it. A call with dropout goes
+    // elsewhere whatever the grad mode: reentrant checkpointing's two
+    // forwards must run on one backend to draw one dropout pattern.
+    if (stack.cudnn_unavailable == nullptr && call.takes_training_forward() &&
         stack.other_sdp_enabled && passes_pytorch_validation(call)) {
       const int64_t choice = stack.pytorch_choice();
       d.pytorch_choice = backend_name(choice);
@@ -152,7 +154,7 @@ Decision decide(const SdpaCall& call, const Settings& settings, const Stack& sta
   }
 
   d.route = Route::kCudnn;
-  if (!call.differentiated()) {
+  if (!call.takes_training_forward()) {
     return d;  // the defects are backward-only: stock cuDNN's forward
   }
   const CallShape shape = shape_of(call);

@@ -29,7 +29,7 @@ const char* to_string(Route route);
 
 struct Decision {
   Route route = Route::kPyTorch;
-  Plan plan;                          // the cuDNN path's fix (differentiated calls)
+  Plan plan;  // the cuDNN path's fix (differentiated calls, and calls with dropout)
   const GuardRule* rule = nullptr;    // the guard rule that set the plan or the route
   const char* pytorch_choice = "not asked";  // PyTorch's own backend, by name
   const char* reason = "";            // why, in words

@@ -21,6 +21,13 @@ struct SdpaCall {
 
   // Will autograd record this call: grad mode on and q, k or v requires grad.
   bool differentiated() const;
+  // Differentiated, or with dropout: a call with dropout takes the plan and
+  // the training forward whatever the grad mode, so that its dropout pattern
+  // does not depend on it. Reentrant activation checkpointing runs the
+  // forward under no_grad and recomputes it with grad, and the recompute must
+  // draw what the first forward drew (the ATen fallback's pad_keys_forward
+  // plan draws it over the padded keys).
+  bool takes_training_forward() const { return differentiated() || dropout_p > 0.0; }
 };
 
 // The checks F.sdpa makes before its selector runs (validate_sdpa_input in

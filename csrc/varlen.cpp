@@ -184,7 +184,7 @@ at::Tensor sdpa_varlen(const at::Tensor& query, const at::Tensor& key, const at:
   }
   return std::get<0>(ops::sdpa_varlen_forward().call(
       query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-      is_causal, scale, static_cast<int64_t>(d.backend), call.differentiated()));
+      is_causal, scale, static_cast<int64_t>(d.backend), call.takes_training_forward()));
 }
 
 // Autocast: as openwam::sdpa (F.sdpa is on autocast's lower-precision list).

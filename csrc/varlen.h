@@ -47,6 +47,9 @@ struct VarlenCall {
 
   // Will autograd record this call: grad mode on and q, k or v requires grad.
   bool differentiated() const;
+  // Differentiated, or with dropout: a call with dropout runs the training
+  // graph whatever the grad mode (SdpaCall::takes_training_forward says why).
+  bool takes_training_forward() const { return differentiated() || dropout_p > 0.0; }
   // Is every sequence's query length its key length, without reading the
   // lengths: cu_seqlens_q and cu_seqlens_k are one tensor (or views of the
   // same elements).

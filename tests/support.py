@@ -321,7 +321,10 @@ def dropout_bias(forward, ref_out: torch.Tensor, draws: int = DROPOUT_DRAWS) -> 
     that made 1 in 200 unbiased draws look 6 standard errors off.) Grad
     stays enabled: a differentiated call's forward is the one under test (the
     op may plan a call nothing differentiates differently). inf for a
-    constant nonzero offset, NaN for a non-finite output."""
+    constant nonzero offset, NaN for a non-finite output, 0 for an empty one
+    (no query: nothing drawn)."""
+    if ref_out.numel() == 0:
+        return 0.0
     means = torch.stack([(forward().detach().double() - ref_out.double()).mean()
                          for _ in range(draws)])
     mean, se = float(means.mean()), float(means.std()) / math.sqrt(draws)

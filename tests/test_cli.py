@@ -304,6 +304,13 @@ def test_explain_for_cuda_without_a_gpu_names_every_rule_that_covers_the_call(ca
     none, notes = explained_rules(capsys, "--batch", "1", "--q-len", "1", "--kv-len", "320",
                                   "--inference")
     assert none == set() and any("no rule applies to a call without gradients" in n for n in notes)
+    # With dropout the call takes the plan without gradients too (its dropout
+    # pattern must not depend on the grad mode).
+    args = ("--batch", "2", "--q-len", "1", "--kv-len", "320", "--dropout", "0.1")
+    trained, _ = explained_rules(capsys, *args)
+    dropped, notes = explained_rules(capsys, *args, "--inference")
+    assert dropped == trained == batch_2, (dropped, trained, batch_2)
+    assert any("with dropout: " in n for n in notes) == key_tail, notes
 
 
 @pytest.mark.parametrize("batch,q_len,kv_len", [(1, 1, 320), (1, 1, 384), (2, 1, 320), (1, 2, 704)])

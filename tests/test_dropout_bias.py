@@ -55,3 +55,10 @@ def test_constant_outputs():
     ref = torch.zeros(4, 4)
     assert dropout_bias(lambda: torch.zeros(4, 4), ref) == 0.0
     assert dropout_bias(lambda: torch.full((4, 4), 1e-3), ref) == math.inf
+
+
+def test_an_empty_output_draws_nothing():
+    """A packed batch whose only sequence has no query: nothing to be biased
+    (its mean would be NaN and fail as a non-finite output)."""
+    empty = torch.zeros(0, 4, 64)
+    assert dropout_bias(lambda: torch.zeros(0, 4, 64), empty) == 0.0

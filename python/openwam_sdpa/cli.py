@@ -229,15 +229,19 @@ def explain(call):
             hit = ops.key_tail_defect(shipped, call["kv_len"], call["head_dim"], call["causal"])
             status = doctor.coverage(shipped)["status"]
             answer["shipped_cudnn_key_tail"] = dict(cudnn=shipped, hit=bool(hit), status=status)
-            answer["shipped_cudnn_rules"] = hits if call["differentiated"] else []
+            # A call with dropout takes the plan without gradients too (its dropout
+            # pattern must not depend on the grad mode: docs/design.md).
+            planned = call["differentiated"] or call["dropout"] > 0.0
+            answer["shipped_cudnn_rules"] = hits if planned else []
             table = (f"the guard table for cuDNN {doctor.minor_str(shipped)} (what torch "
                      f"{torch.__version__.split('+')[0]} ships, {status})")
-            if not call["differentiated"]:
+            if not planned:
                 answer["notes"].append(f"{table}: no rule applies to a call without gradients "
                                        "(the defects are in the backward)")
             elif hits:
                 answer["notes"].append(
-                    f"{table}, on the cuDNN path with gradients: "
+                    f"{table}, on the cuDNN path "
+                    + ("with gradients: " if call["differentiated"] else "with dropout: ")
                     + "; ".join(f"{name} covers this call ({rows[name]['defect']}): "
                                 f"{rows[name]['action']}" for name in hits))
             else:

@@ -302,6 +302,17 @@ TEST_CASE("decide: inputs the cuDNN path rejects", "[decision]") {
     CHECK(d.route == Route::kPyTorch);
     CHECK(stack.calls == 0);
   }
+  SECTION("not differentiated, with dropout: PyTorch without cuDNN, as when differentiated") {
+    // Reentrant checkpointing runs the forward under no_grad, then again with
+    // grad: one backend must draw both dropout patterns.
+    Inputs no_grad = bhsd(2, 4, 8, 320, 64, openwam_test::kBF16, false);
+    no_grad.dropout_p = 0.3;  // not a multiple of 1/16: the cuDNN path refuses it
+    PosedStack stack;
+    const Decision d = stack.decide(no_grad, kFollow);
+    CHECK(d.route == Route::kPyTorchWithoutCudnn);
+    CHECK(stack.calls == 1);
+    CHECK_THAT(std::string(d.reason), Contains("cannot take these inputs"));
+  }
   SECTION("inputs PyTorch rejects reach PyTorch untouched, not asked") {
     Inputs bad = bhsd(2, 4, 8, 320, 64);
     bad.key = bad.key.detach().to(at::kHalf).requires_grad_(true);
@@ -349,6 +360,33 @@ TEST_CASE("decide: not differentiated: stock cuDNN, no plan", "[decision]") {
       }
     }
   }
+}
+
+TEST_CASE("decide: not differentiated, with dropout: the plan a differentiated call takes",
+          "[decision]") {
+  // Reentrant activation checkpointing runs the forward under no_grad and
+  // recomputes it with grad: both must draw the same dropout pattern, so the
+  // forward's plan (pad_keys_forward on the ATen fallback) cannot depend on
+  // the grad mode.
+  Inputs no_grad = bhsd(2, 4, 8, 320, 64, openwam_test::kBF16, false);
+  Inputs grad = bhsd(2, 4, 8, 320, 64);
+  no_grad.dropout_p = grad.dropout_p = 0.25;
+  PosedStack stack;
+  const Decision trained = stack.decide(grad, kFollow);
+  CHECK(trained.plan.to_string() == "padding_mask+pad_keys_forward");
+  Decision d = stack.decide(no_grad, kFollow);
+  CHECK(d.route == Route::kCudnn);
+  CHECK(d.plan == trained.plan);
+  CHECK(rule_of(d) == rule_of(trained));
+  {
+    at::AutoGradMode grad_off(false);
+    d = stack.decide(grad, kFollow);
+    CHECK(d.route == Route::kCudnn);
+    CHECK(d.plan == trained.plan);
+  }
+  // Without dropout the same call takes no plan (the case above).
+  no_grad.dropout_p = 0.0;
+  CHECK(stack.decide(no_grad, kFollow).plan.none());
 }
 
 TEST_CASE("decide: a differentiated call needs only one input requiring grad",

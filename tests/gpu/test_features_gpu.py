@@ -185,6 +185,42 @@ def test_activation_checkpointing(mask_kind, use_reentrant, ow, settings):
     _check_against_reference(ours, q, k, v, go, attn_mask=mask, low_rows=(9,))
 
 
+def assert_same_draw(ckpt, plain):
+    """The checkpointed call drew the uncheckpointed call's dropout pattern:
+    the same output, bit for bit, and the same gradients up to cuDNN's atomic
+    dQ accumulation (another pattern moves them by their own size)."""
+    assert torch.equal(ckpt.out, plain.out), "another dropout pattern in the output"
+    for name in ("dq", "dk", "dv"):
+        a, b = getattr(ckpt, name).float(), getattr(plain, name).float()
+        assert (a - b).abs().max() <= 1e-2 * b.abs().max(), name
+
+
+@pytest.mark.parametrize("frontend", ["1", "0"], ids=["frontend", "aten_fallback"])
+def test_reentrant_checkpointing_with_dropout_draws_the_same_pattern(frontend, ow, settings):
+    """Reentrant checkpointing runs the forward under no_grad and recomputes
+    it with grad from the same RNG state. The op takes the plan and the
+    training forward for a call with dropout whatever the grad mode, so both
+    draw the same pattern. s_kv 320 with a bool mask: on the ATen fallback
+    (OPENWAM_SDPA_FRONTEND=0) that plan pads the keys in the forward."""
+    from torch.utils.checkpoint import checkpoint
+
+    settings(cudnn="1", pad="auto", frontend=frontend)
+    s_q, s_kv = 256, 320
+    q, k, v = _inputs("random", s_q, s_kv, seed=44)
+    mask = cuda_mask("bool", B, 1, s_q, s_kv, seed=45)
+    go = cuda_randn(*q.shape, seed=46)
+
+    def attention(q, k, v):
+        return ow.sdpa(q, k, v, attn_mask=mask, dropout_p=0.3)
+
+    torch.manual_seed(7)
+    plain = run_by_backward(attention, q, k, v, go)
+    torch.manual_seed(7)
+    ckpt = run_by_backward(lambda *xs: checkpoint(attention, *xs, use_reentrant=True),
+                           q, k, v, go)
+    assert_same_draw(ckpt, plain)
+
+
 # ---------------------------------------------------------------- GQA, dtypes
 
 

@@ -57,12 +57,13 @@ BIAS_SHIM = [case(mask=m, s_kv=s_kv, s_q=32, B=1, H=2, kv_heads=1, seed=4000 + i
 
 
 def sweep(cases, name, suite_results):
-    worst, failures = {}, []
+    worst, failures, admitted = {}, [], []
     for i, c in enumerate(cases):
-        problem = check_case(i, c, worst)
+        problem = check_case(i, c, worst, admitted)
         if problem:
             failures.append(problem)
     suite_results.put("frontend", name, cases=len(cases), failed=len(failures),
+                      admitted_by_key_padded_stock=len(admitted),
                       **{f"worst {n}": round(r, 3) for n, r in sorted(worst.items())})
     assert not failures, f"{len(failures)} of {len(cases)} failed:\n" + "\n".join(failures[:10])
 

@@ -31,7 +31,8 @@ import pytest
 import torch
 
 import openwam_sdpa
-from support import load_tool, max_err, nonfinite, tool_path, twice_stock_problem
+from support import (load_tool, max_err, nonfinite, run_by_backward, tool_path,
+                     twice_stock_problem)
 
 from .conftest import GPU_MARKS, LOW_ROW_FLOOR, cudnn_version, floor_for
 
@@ -248,6 +249,33 @@ def test_activation_checkpointing(engine, engine_setting):
     plain = sweep._grads(call(p.q, p.k, p.v), p)
     ours = sweep._grads(checkpoint(call, p.q, p.k, p.v, use_reentrant=False), p)
     assert not rule_problems(ours, plain, sweep.reference(p, True), rows=p.low_rows)
+
+
+@pytest.mark.parametrize("engine", ["cudnn", "flash"])
+def test_reentrant_checkpointing_with_dropout_draws_the_same_pattern(engine, engine_setting):
+    """Reentrant checkpointing runs the forward under no_grad and recomputes
+    it with grad from the same RNG state. A call with dropout runs the
+    training graph whatever the grad mode (not cuDNN's inference graph), so
+    both draw the same pattern: the output bit for bit, the gradients up to
+    the atomic dQ accumulation."""
+    from torch.utils.checkpoint import checkpoint
+
+    p = sweep.packed_adversarial([192, 37, 320], None, D=128, low="none")
+    engine_setting(engine)
+
+    def call(q, k, v):
+        return openwam_sdpa.varlen_sdpa(q, k, v, p.cu_q, p.cu_k, p.max_q, p.max_k,
+                                        is_causal=True, dropout_p=0.3)
+
+    torch.manual_seed(7)
+    plain = run_by_backward(call, p.q, p.k, p.v, p.go)
+    torch.manual_seed(7)
+    ckpt = run_by_backward(lambda *xs: checkpoint(call, *xs, use_reentrant=True),
+                           p.q, p.k, p.v, p.go)
+    assert torch.equal(ckpt.out, plain.out), "another dropout pattern in the output"
+    for name in ("dq", "dk", "dv"):
+        a, b = getattr(ckpt, name).float(), getattr(plain, name).float()
+        assert (a - b).abs().max() <= 1e-2 * b.abs().max(), name
 
 
 @pytest.mark.parametrize("engine", ["cudnn", "flash"])
