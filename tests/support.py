@@ -381,10 +381,16 @@ def contract_clause(err, floor, *, best, as_called, flash_efficient,
         return "as called" if err <= STOCK_FACTOR * as_called + floor else None
     if err <= flash_efficient:
         return "flash or efficient"
-    own = key_padded()
-    if math.isfinite(own) and err <= STOCK_FACTOR * own + floor:
-        return "key-padded cuDNN"
-    return None
+    return "key-padded cuDNN" if within_key_padded(err, key_padded(), floor) else None
+
+
+def within_key_padded(err, key_padded, floor) -> bool:
+    """Both fuzzes' last clause, beyond the contract: `err` within twice
+    stock cuDNN's error on the same attention with the keys zero-padded to a
+    multiple of 128 (its own arithmetic without the key-tail defect), plus
+    `floor`. A key-padded run that could not run (inf) or was not finite
+    (NaN) admits nothing."""
+    return math.isfinite(key_padded) and err <= STOCK_FACTOR * key_padded + floor
 
 
 def packed_yardstick(as_called, varlen, flash, efficient) -> float:

@@ -1,6 +1,6 @@
 """The GPU fuzzes' rules, as pure functions of measured errors
 (support.contract_clause for the dense fuzz, support.packed_yardstick for the
-varlen one): which clause admits what, and that an error none admits fails."""
+varlen one, support.within_key_padded for both): which clause admits what, and that an error none admits fails."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from support import contract_clause, packed_yardstick
+from support import contract_clause, packed_yardstick, within_key_padded
 
 NAN, INF = math.nan, math.inf
 
@@ -62,3 +62,15 @@ def test_a_refused_stock_call_admits_nothing_by_itself():
     """Stock F.sdpa as called raising (error inf) is not a yardstick of inf."""
     assert clause(1e9, as_called=INF) == (None, 1)
     assert clause(1e9, best=INF, as_called=INF, flash_efficient=-INF) == (None, 1)
+
+
+@pytest.mark.parametrize("err, key_padded, floor, expected", [
+    (6.0, 3.0, 0.0, True),
+    (6.1, 3.0, 0.0, False),
+    (6.1, 3.0, 0.2, True),    # the floor counts
+    (1.0, INF, 0.0, False),   # key-padded stock cuDNN could not run
+    (1.0, NAN, 0.0, False),   # nor was finite
+    (NAN, 3.0, 0.0, False),   # a NaN error passes nothing
+])
+def test_within_key_padded(err, key_padded, floor, expected):
+    assert within_key_padded(err, key_padded, floor) is expected
