@@ -238,6 +238,16 @@ def run_by_backward(fn, q, k, v, go, **kwargs) -> Attn:
     return Attn(out.detach(), *(t.grad for t in leaves))
 
 
+def assert_same_draw(ckpt: Attn, plain: Attn):
+    """The checkpointed call drew the uncheckpointed call's dropout pattern:
+    the same output, bit for bit, and the same gradients up to cuDNN's atomic
+    dQ accumulation (another pattern moves them by their own size)."""
+    assert torch.equal(ckpt.out, plain.out), "another dropout pattern in the output"
+    for name in ("dq", "dk", "dv"):
+        a, b = getattr(ckpt, name).float(), getattr(plain, name).float()
+        assert (a - b).abs().max() <= 1e-2 * b.abs().max(), name
+
+
 def reference(q, k, v, go, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
     """(Attn, row logsumexp): attention and its gradients for `go`, in
     float64 from the values of q, k, v (half-precision ones included, so that

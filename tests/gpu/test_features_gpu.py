@@ -20,6 +20,7 @@ import torch
 
 from support import (
     assert_close_to_reference,
+    assert_same_draw,
     assert_within_stock,
     nonfinite,
     nonfinite_grads,
@@ -183,16 +184,6 @@ def test_activation_checkpointing(mask_kind, use_reentrant, ow, settings):
     ours = run_by_backward(
         lambda *xs: checkpoint(attention, *xs, use_reentrant=use_reentrant), q, k, v, go)
     _check_against_reference(ours, q, k, v, go, attn_mask=mask, low_rows=(9,))
-
-
-def assert_same_draw(ckpt, plain):
-    """The checkpointed call drew the uncheckpointed call's dropout pattern:
-    the same output, bit for bit, and the same gradients up to cuDNN's atomic
-    dQ accumulation (another pattern moves them by their own size)."""
-    assert torch.equal(ckpt.out, plain.out), "another dropout pattern in the output"
-    for name in ("dq", "dk", "dv"):
-        a, b = getattr(ckpt, name).float(), getattr(plain, name).float()
-        assert (a - b).abs().max() <= 1e-2 * b.abs().max(), name
 
 
 @pytest.mark.parametrize("frontend", ["1", "0"], ids=["frontend", "aten_fallback"])
