@@ -339,11 +339,15 @@ Tensors4 frontend_forward(const at::Tensor& query, const at::Tensor& key,
   }
   CudnnForward f;
   std::string why_not;
-  // A one-query-row plan's backward never runs the graph of this shape:
-  // nothing to prepare (frontend_backward).
+  // A one-query-row plan's backward never runs the graph of this shape, nor
+  // does one that takes the K/V shim (it runs on padded keys): nothing to
+  // prepare (frontend_backward). Preparing it cost the shim's first call a
+  // third graph build (1.5x stock's first call at 4096x4032, H200).
+  const bool prepare_backward =
+      !plan.pad_query_backward && !shim_is_cheaper(plan, attn_bias, key, dropout_p);
   if (frontend::sdpa_forward(query, key, value, attn_bias.value_or(at::Tensor()),
                              compute_log_sumexp, dropout_p, is_causal, scale,
-                             plan.padding_mask, !plan.pad_query_backward, f, why_not)) {
+                             plan.padding_mask, prepare_backward, f, why_not)) {
     return finish_forward(std::move(f), query, compute_log_sumexp, dropout_p);
   }
   note_fallback(why_not, plan);

@@ -239,7 +239,7 @@ def test_compiled_leaf_ops_match_eager(backend, dynamic):
 
 FRONTEND_COUNTERS = ("forward_graphs_built", "backward_graphs_built", "ragged_graphs_built",
                      "graph_build_failures", "graph_cache_evictions", "aten_fallback_calls",
-                     "padding_mask_backwards")
+                     "padding_mask_backwards", "lengths_written_per_call")
 
 
 def test_frontend_stats_count_nothing_on_the_cpu(ow):

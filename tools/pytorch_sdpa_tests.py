@@ -14,8 +14,9 @@ message. That list is the to-do list for a faithful drop-in.
 The test file is PyTorch's code and is never committed. Put it at
 .external/pytorch/test_transformers.py (.external/ is gitignored): the runs so
 far used test/test_transformers.py of the pytorch/pytorch repository at commit
-00030eb8e81f911c48c4d7634fa6b8bb2fae1a1b (torch 2.5 era; recognised by its
-hash below). Two modules it imports may be missing, and this script writes
+00030eb8e81f911c48c4d7634fa6b8bb2fae1a1b (torch 2.5 era) or, where that one
+could not be had, the older 6ac86627d419394fc77fd09392046a4bbd44ec9e (no cuDNN
+tests); both are recognised by their hashes below. Two modules it imports may be missing, and this script writes
 stand-ins for them into the output folder:
 test_cpp_extensions_open_device_registration, from PyTorch's test tree (used
 only by a class never chosen here), and expecttest, which torch's test
@@ -70,6 +71,9 @@ DEFAULT_FILE = ROOT / ".external" / "pytorch" / "test_transformers.py"
 KNOWN_FILES = {  # sha256 -> where the file came from
     "958baa9dc535522161b3ad7987e55d9cb1c30eef6f70a8bffbbe6cfec5c68e83":
         "pytorch/pytorch test/test_transformers.py @ 00030eb8e81f911c48c4d7634fa6b8bb2fae1a1b",
+    "10b5568208fd7401218ccd9025c33d6ea25188d73dc8b1e0e521a279eea5a961":
+        "pytorch/pytorch test/test_transformers.py @ 6ac86627d419394fc77fd09392046a4bbd44ec9e "
+        "(older: no cuDNN or enable_gqa tests)",
 }
 BAD = ("failed", "error", "crashed", "hung")
 OUTCOMES = ("passed", "failed", "error", "skipped", "crashed", "hung", "not run")

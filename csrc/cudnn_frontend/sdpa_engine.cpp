@@ -187,11 +187,11 @@ bool sdpa_backward(const at::Tensor& grad_out_in, const at::Tensor& query, const
     pack[kSeed] = philox_seed.data_ptr();
     pack[kOffset] = philox_offset.data_ptr();
   }
-  at::Tensor lengths;
+  FullLengths lengths;  // outlives run(): a per-call write's storage
   if (padding_mask) {
     lengths = full_lengths(query, query.size(2), key.size(2));
-    pack[kSeqLenQ] = lengths[0].data_ptr();
-    pack[kSeqLenKv] = lengths[1].data_ptr();
+    pack[kSeqLenQ] = const_cast<int32_t*>(lengths.q);
+    pack[kSeqLenKv] = const_cast<int32_t*>(lengths.kv);
     stats().padding_mask_backwards++;
   }
   run(*graph, pack, bwd);

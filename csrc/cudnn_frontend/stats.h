@@ -1,9 +1,10 @@
 // Telemetry of the cuDNN frontend path, read by openwam_sdpa.frontend_stats():
 // how many graphs were built (a steady state builds none; sdpa_varlen's
-// ragged graphs apart), how many could not
-// be built, how many calls took the ATen fallback, and how many backward
-// calls ran with the padding mask. Host counters only: reading them never
-// synchronises. A CUDA graph replay runs no host code and counts nothing.
+// ragged graphs apart), how many could not be built, how many calls took the
+// ATen fallback, how many backward calls ran with the padding mask, and how
+// many of those wrote its lengths per call (a steady state writes none).
+// Host counters only: reading them never synchronises. A CUDA graph replay
+// runs no host code and counts nothing.
 #pragma once
 
 #include <atomic>
@@ -19,6 +20,9 @@ struct Stats {
   std::atomic<int64_t> graph_cache_evictions{0};
   std::atomic<int64_t> aten_fallback_calls{0};
   std::atomic<int64_t> padding_mask_backwards{0};
+  // Padding-mask backwards whose full lengths were written for the call
+  // alone, not read from the device's table (full_lengths.h says when).
+  std::atomic<int64_t> lengths_written_per_call{0};
 };
 
 inline Stats& stats() {

@@ -98,6 +98,7 @@ py::dict frontend_stats(bool reset) {
   d["graph_cache_evictions"] = read(s.graph_cache_evictions);
   d["aten_fallback_calls"] = read(s.aten_fallback_calls);
   d["padding_mask_backwards"] = read(s.padding_mask_backwards);
+  d["lengths_written_per_call"] = read(s.lengths_written_per_call);
   py::list failures;
 #ifdef OPENWAM_WITH_CUDNN_FRONTEND
   for (const auto& f : openwam::frontend::build_failures()) failures.append(f);

@@ -186,8 +186,11 @@ def frontend_stats(reset: bool = False) -> dict:
     """Counters of the op's cuDNN graphs: graphs built (forward, backward),
     configurations that could not be built (each such call runs on ATen's
     cuDNN attention with padded inputs, and the list says which), graphs
-    evicted from the cache, calls that took that fallback, and backward calls
-    that ran with cuDNN's padding mask (the fix). Host counters: reading them
+    evicted from the cache, calls that took that fallback, backward calls
+    that ran with cuDNN's padding mask (the fix), and those of them that
+    wrote the mask's lengths for the call alone (a new configuration inside a
+    CUDA-graph capture, or the device's table of lengths full; otherwise a
+    configuration writes them once). Host counters: reading them
     never synchronises; a CUDA graph replay counts nothing. reset=True zeroes
     them (not the list)."""
     return _C.frontend_stats(reset)

@@ -1,7 +1,9 @@
 """A forward+backward through openwam_sdpa captured in a CUDA graph replays
 correctly: the fix (auto plan, affected s_kv = 704, adversarial rows) makes
 no host synchronisation and no data-dependent host decision, so the captured
-graph fixes whatever data it is replayed on.
+graph fixes whatever data it is replayed on. The padding mask's lengths come
+from the device's table or, for a configuration new to the capture, from a
+write of the capture's own.
 
 Capture follows PyTorch's "whole network capture" recipe: warm up on a side
 stream, set grads to None, capture forward and backward.
@@ -9,6 +11,7 @@ stream, set grads to None, capture forward and backward.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from support import assert_within_stock, nonfinite, nonfinite_grads, reference, run
@@ -21,19 +24,28 @@ B, H, S_Q, S_KV, D = 2, 4, 256, 704, 128
 LOW_ROWS = (3, 200)
 
 
-def _inputs(seed):
-    q, k, v = cuda_adversarial_qkv(B, H, S_Q, S_KV, D, LOW_ROWS, seed=seed, requires_grad=False)
+def _inputs(seed, batch=B):
+    q, k, v = cuda_adversarial_qkv(batch, H, S_Q, S_KV, D, LOW_ROWS, seed=seed,
+                                   requires_grad=False)
     go = cuda_randn(*q.shape, seed=seed + 1)
     return q, k, v, go
 
 
-def test_forward_backward_replays_in_cuda_graph(ow, settings):
+@pytest.mark.parametrize("warm_up", ["forward_backward", "forward"])
+def test_forward_backward_replays_in_cuda_graph(warm_up, ow, settings):
+    """Warmed up with a backward, the capture reads the padding mask's lengths
+    from the device's table; warmed up with a forward only (graphs built, no
+    lengths yet), it writes its own into the graph's pool. Either replays."""
     settings(cudnn="1", pad="auto")
-    mask = cuda_mask("bool", B, 1, S_Q, S_KV, seed=3)
-    static_q, static_k, static_v, static_go = (t.clone() for t in _inputs(seed=10))
+    # The forward-only case needs a configuration new to the process's table
+    # of lengths (keyed by the batch rounded up to 4, s_q and s_kv): batch 5.
+    batch = B if warm_up == "forward_backward" else 5
+    mask = cuda_mask("bool", batch, 1, S_Q, S_KV, seed=3)
+    static_q, static_k, static_v, static_go = (t.clone() for t in _inputs(10, batch))
     for t in (static_q, static_k, static_v):
         t.requires_grad_()
-    assert ow.explain(static_q, static_k, static_v, attn_mask=mask)["plan"] != "none"
+    assert ow.explain(static_q, static_k, static_v, attn_mask=mask)["plan"].startswith(
+        "padding_mask")
 
     def step():
         out = ow.sdpa(static_q, static_k, static_v, attn_mask=mask)
@@ -46,18 +58,24 @@ def test_forward_backward_replays_in_cuda_graph(ow, settings):
         for _ in range(3):
             for t in (static_q, static_k, static_v):
                 t.grad = None
-            step()
+            if warm_up == "forward":
+                ow.sdpa(static_q, static_k, static_v, attn_mask=mask)
+            else:
+                step()
     torch.cuda.current_stream().wait_stream(side)
 
     for t in (static_q, static_k, static_v):
         t.grad = None
+    per_call = ow.frontend_stats()["lengths_written_per_call"]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = step()
+    written = ow.frontend_stats()["lengths_written_per_call"] - per_call
+    assert written == (0 if warm_up == "forward_backward" else 1), written
 
     # Replay on fresh data, twice, each time against eager on the same data.
     for seed in (20, 30):
-        q, k, v, go = _inputs(seed)
+        q, k, v, go = _inputs(seed, batch)
         for dst, src in ((static_q, q), (static_k, k), (static_v, v), (static_go, go)):
             with torch.no_grad():
                 dst.copy_(src)

@@ -102,22 +102,62 @@ def test_aten_fallback(settings, suite_results):
 
 
 def test_graphs_built_once_per_configuration(ow):
-    """Shapes that vary every step build each configuration's graphs once. The
-    batch-1, one-query-row shape (1, 1, 320) has a forward graph only: its
-    backward is computed in fp32 without cuDNN (single_row_backward)."""
+    """Shapes that vary every step build each configuration's graphs once, and
+    only the graphs that run. The batch-1, one-query-row shape (1, 1, 320) has
+    a forward graph only: its backward is computed in fp32 without cuDNN
+    (single_row_backward). The key-masked 32x2112 one takes the K/V shim: one
+    backward graph, on the padded keys (none for the unpadded ones)."""
     ow.clear_graph_cache()
     ow.frontend_stats(reset=True)
-    shapes = [(2, 100, 100), (2, 200, 320), (4, 64, 704), (1, 1, 320), (3, 333, 333)]
+    shapes = [(2, 100, 100, False), (2, 200, 320, False), (4, 64, 704, False),
+              (1, 1, 320, False), (3, 333, 333, False), (1, 32, 2112, True)]
     counts = []
     for _ in range(3):
-        for b, s_q, s_kv in shapes:
+        for b, s_q, s_kv, masked in shapes:
             q = torch.randn(b, 4, s_q, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             kv = torch.randn(b, 4, s_kv, 64, device="cuda", dtype=torch.bfloat16)
-            ow.sdpa(q, kv, kv).sum().backward()
+            keys = torch.arange(s_kv, device="cuda").view(1, 1, 1, s_kv)
+            mask = keys < s_kv - 7 if masked else None
+            ow.sdpa(q, kv, kv, attn_mask=mask).sum().backward()
         s = ow.frontend_stats()
         counts.append((s["forward_graphs_built"], s["backward_graphs_built"]))
-    assert counts == [(5, 4)] * 3, counts
+    assert counts == [(6, 5)] * 3, counts
     assert ow.frontend_stats()["aten_fallback_calls"] == 0
+
+
+def test_padding_mask_lengths_written_once(ow):
+    """The padding mask's full lengths come from the device's table
+    (lengths_table.h): a configuration writes them at its first backward,
+    and later calls read them, on its stream and on another; the gradients
+    stay the reference's."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v, go = (torch.randn(3, 4, s, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+                   for s in (77, 320, 320, 77))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    assert ow.explain(q, k, v)["plan"].startswith("padding_mask")
+    ref = run(torch.nn.functional.scaled_dot_product_attention, q.double(), k.double(),
+              v.double(), go.double())
+
+    def check(r):
+        for name in ("dq", "dk", "dv"):
+            x, want = getattr(r, name), getattr(ref, name)
+            err = float((x.double() - want).abs().max()) / float(want.abs().max())
+            assert err < 2e-2, (name, err)
+
+    per_call = ow.frontend_stats()["lengths_written_per_call"]
+    backwards = ow.frontend_stats()["padding_mask_backwards"]
+    for _ in range(3):
+        check(run(ow.sdpa, q, k, v, go))
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        r = run(ow.sdpa, q, k, v, go)
+    torch.cuda.current_stream().wait_stream(side)
+    check(r)
+    stats = ow.frontend_stats()
+    assert stats["padding_mask_backwards"] == backwards + 4
+    assert stats["lengths_written_per_call"] == per_call
 
 
 def test_explain_and_stats_name_the_engine(ow):
