@@ -280,8 +280,8 @@ Tensors4 cuda_forward(const at::Tensor& query, const at::Tensor& key, const at::
       f.philox_seed = no_rng(query);
       f.philox_offset = no_rng(query);
     }
-    return {f.out, compute_log_sumexp ? f.logsumexp : no_logsumexp(query), f.philox_seed,
-            f.philox_offset};
+    return without_logsumexp({f.out, f.logsumexp, f.philox_seed, f.philox_offset}, query,
+                             compute_log_sumexp);
   }
   return without_logsumexp(flash_in_ragged_format(query, key, value, cu_q, cu_k, mq, mk,
                                                   dropout_p, is_causal, scale, why_not),
