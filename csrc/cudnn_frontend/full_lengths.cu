@@ -106,16 +106,15 @@ FullLengths full_lengths(const at::Tensor& query, int64_t s_q, int64_t s_kv) {
   const int device = query.device().index();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
   FullLengths l;
-  if (const int32_t* block = from_table(device, row, s_q, s_kv, stream)) {
-    l.q = block;
-    l.kv = block + row;
-    return l;
+  const int32_t* lengths = from_table(device, row, s_q, s_kv, stream);
+  if (lengths == nullptr) {
+    l.per_call = at::empty({2, row}, query.options().dtype(at::kInt));
+    write(l.per_call.data_ptr<int32_t>(), row, s_q, s_kv, stream);
+    stats().lengths_written_per_call++;
+    lengths = l.per_call.data_ptr<int32_t>();
   }
-  l.per_call = at::empty({2, row}, query.options().dtype(at::kInt));
-  write(l.per_call.data_ptr<int32_t>(), row, s_q, s_kv, stream);
-  stats().lengths_written_per_call++;
-  l.q = l.per_call.data_ptr<int32_t>();
-  l.kv = l.q + row;
+  l.q = lengths;
+  l.kv = lengths + row;
   return l;
 }
 

@@ -82,7 +82,6 @@ class LengthsTable {
   void drop(const LengthsKey& key) { blocks_.erase(key); }
 
   int64_t used() const { return used_; }
-  int64_t capacity() const { return capacity_; }
 
  private:
   int64_t capacity_;
