@@ -312,11 +312,11 @@ def markdown(result):
              f"AdamW (fused on CUDA). Compile: every decoder layer torch.compile'd (backend "
              f"{s['compile_backend']}, dynamic=False). Left padding: sequence b starts with b·S/(4B) padding "
              f"tokens. {method_text(s)} Ratios to sdpa: median [min–max] over rounds of the per-round ratio; "
-             "sdpa's ms: the median over rounds of its figure. Peak memory: MiB allocated above the model, its "
-             "gradients and optimizer state during one step. Non-finite grads: elements of every parameter's "
-             "gradient after the first backward (stock's NaN on left-padded batches is the defect; the NaN "
-             "then reaches every weight, and the timing still counts). 1st step s: its wall time, "
-             "compilation included.", "",
+             "sdpa's ms: the median over rounds of its figure. Peak memory: MiB requested (timing.peak_mib) "
+             "above the model, its gradients and optimizer state during one step. Non-finite grads: "
+             "elements of every parameter's gradient after the first backward (stock's NaN on left-padded "
+             "batches is the defect; the NaN then reaches every weight, and the timing still counts). "
+             "1st step s: its wall time, compilation included.", "",
              config_table(result["configs"]), "",
              f"- targets: openwam_sdpa / sdpa GPU time at most 1.02: worst {f(t['openwam_sdpa gpu_ms'])}; "
              f"wall time at most 1.03: worst {f(t['openwam_sdpa wall_ms'])}. A/A control, farthest from 1: GPU "

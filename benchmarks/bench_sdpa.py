@@ -546,7 +546,7 @@ def intro(section, s):
         "first_call": "wall time of the first fwd+bwd, synchronised, of a batch size the process has not run, each "
                       f"contender its own in each of {s['first_rounds']} rounds, after a warm-up on the listed "
                       "shape; second: the next call on that shape",
-        "memory": "one fwd+bwd, MiB allocated above the inputs, the mask and the output gradient",
+        "memory": "one fwd+bwd, MiB requested (timing.peak_mib) above the inputs, the mask and the output gradient",
     }[section]
 
 

@@ -16,7 +16,7 @@ The clocks, each for one question:
   * wall_ms: back-to-back calls, synchronised once at the end.
   * synced_steps_ms: whole training steps timed one by one, synchronised
     before and after each, for a median of many.
-  * peak_mib: the peak memory a call allocates.
+  * peak_mib: the peak memory a call's tensors request (exact, unlike the allocated peak).
 
 Drift of clocks and temperature over a run moves separate timings minutes
 apart by a few percent (an A/A control read up to 1.04x unpaired), so
@@ -308,16 +308,20 @@ def frozen_heap():
 
 
 def peak_mib(fn):
-    """Peak memory allocated by fn() above what was allocated before it (None without CUDA)."""
+    """Peak memory that fn()'s tensors request above what was requested before it (None without
+    CUDA). Requested bytes, not torch.cuda.max_memory_allocated(): the caching allocator counts
+    a whole block as allocated when the rest of it is too small to split off, so the allocated
+    peak of one and the same step moves by about 1 MiB with the allocator's history (H200: the
+    same varlen step twice, 25,343.7 and 25,344.7 MiB)."""
     if not cuda():
         fn()
         return None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
+    before = torch.cuda.memory_stats()["requested_bytes.all.current"]
     fn()
     torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before) / 2.0**20
+    return (torch.cuda.memory_stats()["requested_bytes.all.peak"] - before) / 2.0**20
 
 
 # -------------------------------------------------------------- paired rounds

@@ -316,7 +316,7 @@ def max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     element); 0 for an empty tensor."""
     if x.numel() == 0:
         return 0.0
-    return float((x.double() - ref).abs().max())
+    return float((x.detach().double() - ref.detach()).abs().max())
 
 
 DROPOUT_DRAWS = 16

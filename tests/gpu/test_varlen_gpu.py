@@ -282,14 +282,15 @@ def test_no_host_sync_and_cuda_graph(engine, engine_setting):
     Eager runs after the capture: a backward on the legacy default stream
     first would tie the leaves' gradient accumulators to that stream, and the
     capture would fail for any op (PyTorch's CUDA-graph notes: warm up on a
-    side stream)."""
+    side stream). Eager takes leaves of its own for the same reason: the
+    captured leaves' gradient accumulators belong to the side stream."""
     p = sweep.packed_adversarial([37, 1, 200, 3], None, D=128, low="none")
     engine_setting(engine)
 
-    def step():
-        out = openwam_sdpa.varlen_sdpa(p.q, p.k, p.v, p.cu_q, p.cu_k, p.max_q, p.max_k,
+    def step(q=p.q, k=p.k, v=p.v):
+        out = openwam_sdpa.varlen_sdpa(q, k, v, p.cu_q, p.cu_k, p.max_q, p.max_k,
                                        is_causal=True)
-        return (out,) + torch.autograd.grad(out, (p.q, p.k, p.v), p.go)
+        return (out,) + torch.autograd.grad(out, (q, k, v), p.go)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -302,7 +303,7 @@ def test_no_host_sync_and_cuda_graph(engine, engine_setting):
         captured = step()
     graph.replay()
     torch.cuda.synchronize()
-    eager = step()
+    eager = step(*(t.detach().clone().requires_grad_() for t in (p.q, p.k, p.v)))
     for a, b in zip(captured, eager):
         assert torch.equal(a, b)
 
