@@ -1,6 +1,7 @@
 """The GPU fuzzes' rules, as pure functions of measured errors
 (support.contract_clause for the dense fuzz, support.packed_yardstick for the
-varlen one, support.within_key_padded for both): which clause admits what, and that an error none admits fails."""
+varlen one, support.within_key_padded for both): which clause admits what, and
+that an error none admits fails."""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ The test file is PyTorch's code and is never committed. Put it at
 far used test/test_transformers.py of the pytorch/pytorch repository at commit
 00030eb8e81f911c48c4d7634fa6b8bb2fae1a1b (torch 2.5 era) or, where that one
 could not be had, the older 6ac86627d419394fc77fd09392046a4bbd44ec9e (no cuDNN
-tests); both are recognised by their hashes below. Two modules it imports may be missing, and this script writes
-stand-ins for them into the output folder:
+tests); both are recognised by their hashes below. Two modules it imports may
+be missing, and this script writes stand-ins for them into the output folder:
 test_cpp_extensions_open_device_registration, from PyTorch's test tree (used
 only by a class never chosen here), and expecttest, which torch's test
 utilities import (a stand-in only where it is not installed).

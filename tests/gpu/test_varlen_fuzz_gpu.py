@@ -228,14 +228,12 @@ def check(i: int, c: dict, backends: dict, worst: dict, admitted: set) -> str | 
                 # error on the sequence as a padded batch holds it admits too.
                 own = sequence_key_padded_dq(p, b, c["causal"])
                 own_err = sweep.row_rel_err(own, ref.dq, rows) if own is not None else math.inf
-                if within_key_padded(err, own_err, LOW_ROW_FLOOR):
-                    admitted.add(i)
-                    print(f"varlen fuzz: {where}: adversarial dQ rows of sequence {b} "
-                          f"({err:.3e}) admitted by key-padded stock cuDNN ({own_err:.3e})",
-                          flush=True)
-                    problem = None
-            if math.isfinite(yard) and problem:
-                return f"{where}: {problem}"
+                if not within_key_padded(err, own_err, LOW_ROW_FLOOR):
+                    return f"{where}: {problem}"
+                admitted.add(i)
+                print(f"varlen fuzz: {where}: adversarial dQ rows of sequence {b} "
+                      f"({err:.3e}) admitted by key-padded stock cuDNN ({own_err:.3e})",
+                      flush=True)
     return None
 
 
