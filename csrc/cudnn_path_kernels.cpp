@@ -20,7 +20,7 @@
 #include "plan.h"
 #include "reference_attention.h"
 #include "settings.h"
-#include "shim_chunks.h"
+#include "shim_slices.h"
 
 #ifdef OPENWAM_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -127,7 +127,7 @@ at::Tensor like_input(const at::Tensor& input, const at::Tensor& grad) {
   return at::empty_like(input).copy_(grad);
 }
 
-// Key tiles each slice of a K/V shim backward keeps at least (shim_chunks.h):
+// Key tiles each slice of a K/V shim backward keeps at least (shim_slices.h):
 // four waves of the GPU's SMs, one 128-key tile per block of cuDNN's
 // backward. The CPU reference has no waves to fill: it slices wherever
 // memory says.
@@ -188,7 +188,7 @@ Tensors3 finish_backward(Tensors3 grads, const at::Tensor& query, const at::Tens
 }
 
 // The K/V shim's backward (no dropout), slice by slice along batch and
-// key/value heads: shim_chunks.h says why and how many. Each slice pads its
+// key/value heads: shim_slices.h says why and how many. Each slice pads its
 // own K, V and bias; its gradients are copied into tensors laid out like the
 // inputs. One slice is the whole call.
 Tensors3 sliced_shim_backward(const Engine& engine, const at::Tensor& grad_out,

@@ -52,7 +52,7 @@ DROPOUT = [case(D=d, dtype=dt, mask=m, dropout=0.125, s_q=128, seed=3000 + i)
                (d, dt, m) for d in (64, 128) for dt in DTYPES for m in ("none", "causal", "bool"))]
 # The bias corner where the K/V shim replaces the padding mask (few padded keys);
 # the last four large enough that its backward runs in two slices, one batch
-# element each (csrc/shim_chunks.h: 552 key tiles a slice on the H200's 132 SMs),
+# element each (csrc/shim_slices.h: 552 key tiles a slice on the H200's 132 SMs),
 # with every head and with grouped heads.
 BIAS_SHIM = [case(mask=m, s_kv=s_kv, s_q=32, B=1, H=2, kv_heads=1, seed=4000 + i)
              for i, (m, s_kv) in enumerate((m, s_kv) for m in ("bool", "additive")

@@ -1,4 +1,4 @@
-// How the K/V shim's backward is sliced (csrc/shim_chunks.h): equal slices
+// How the K/V shim's backward is sliced (csrc/shim_slices.h): equal slices
 // that cover the call once, the fewest whose copies and workspace fit in
 // stock's workspace, never below the key tiles that fill the GPU. Plain
 // arithmetic: built in CPU builds.
@@ -7,7 +7,7 @@
 
 #include <catch2/catch.hpp>
 
-#include "shim_chunks.h"
+#include "shim_slices.h"
 
 using openwam::shim_slice_elements;
 using openwam::shim_slices;

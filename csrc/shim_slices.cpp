@@ -1,4 +1,4 @@
-#include "shim_chunks.h"
+#include "shim_slices.h"
 
 #include <c10/util/Exception.h>
 
