@@ -20,7 +20,11 @@
 #include "plan.h"
 #include "reference_attention.h"
 #include "settings.h"
+#include "shim_slices.h"
 
+#ifdef OPENWAM_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
 #ifdef OPENWAM_WITH_CUDNN_FRONTEND
 #include "cudnn_frontend/sdpa_engine.h"
 #include "cudnn_frontend/stats.h"
@@ -123,6 +127,19 @@ at::Tensor like_input(const at::Tensor& input, const at::Tensor& grad) {
   return at::empty_like(input).copy_(grad);
 }
 
+// Key tiles each slice of a K/V shim backward keeps at least (shim_slices.h):
+// four waves of the GPU's SMs, one 128-key tile per block of cuDNN's
+// backward. The CPU reference has no waves to fill: it slices wherever
+// memory says.
+int64_t min_slice_key_tiles(const at::Tensor& query) {
+#ifdef OPENWAM_WITH_CUDA
+  if (query.is_cuda()) {
+    return 4 * at::cuda::getDeviceProperties(query.device().index())->multiProcessorCount;
+  }
+#endif
+  return 0;
+}
+
 // OPENWAM_SDPA_CHECK_FINITE=1 (debug only: the counts synchronise with the
 // host). Raises naming the shapes, the plan and the smallest logsumexp.
 void check_finite_gradients(const at::Tensor& dq, const at::Tensor& dk,
@@ -158,6 +175,75 @@ Tensors4 finish_forward(CudnnForward f, const at::Tensor& query, bool compute_lo
     make_empty(f.philox_offset, query.device());
   }
   return {f.out, f.logsumexp, f.philox_seed, f.philox_offset};
+}
+
+// A backward's gradients, checked where OPENWAM_SDPA_CHECK_FINITE asks.
+Tensors3 finish_backward(Tensors3 grads, const at::Tensor& query, const at::Tensor& key,
+                         const at::Tensor& logsumexp, const Plan& plan) {
+  if (current_settings().check_finite) {
+    check_finite_gradients(std::get<0>(grads), std::get<1>(grads), std::get<2>(grads), query,
+                           key, logsumexp, plan);
+  }
+  return grads;
+}
+
+// The K/V shim's backward (no dropout), slice by slice along batch and
+// key/value heads: shim_slices.h says why and how many. Each slice pads its
+// own K, V and bias; its gradients are copied into tensors laid out like the
+// inputs. One slice is the whole call.
+Tensors3 sliced_shim_backward(const Engine& engine, const at::Tensor& grad_out,
+                              const at::Tensor& query, const at::Tensor& key,
+                              const at::Tensor& value, const at::Tensor& out,
+                              const at::Tensor& logsumexp, const at::Tensor& philox_seed,
+                              const at::Tensor& philox_offset, const at::Tensor& bias_in,
+                              bool is_causal, std::optional<double> scale) {
+  at::Tensor bias = bias_in;  // right-aligned to [B|1, H|1, L|1, S], so it slices
+  while (bias.defined() && bias.dim() < 4) {
+    bias = bias.unsqueeze(0);
+  }
+  const int64_t s_kv = key.size(2);
+  const ShimShape shape{query.size(0),
+                        query.size(1),
+                        key.size(1),
+                        query.size(2),
+                        padded_length(s_kv, kCudnnKeyTile),
+                        query.size(3),
+                        value.size(3),
+                        bias.defined(),
+                        bias.defined() && bias.size(0) > 1,
+                        bias.defined() && bias.size(1) > 1,
+                        bias.defined() ? bias.size(2) : 0};
+  const std::vector<ShimSlice> slices = shim_slices(shape, min_slice_key_tiles(query));
+  const int64_t group = shape.heads / shape.kv_heads;
+  at::Tensor dq, dk = at::empty_like(key), dv = at::empty_like(value);
+  if (slices.size() > 1) {
+    dq = at::empty_like(query);
+  }
+  for (const ShimSlice& slice : slices) {
+    const auto kv_side = [&](const at::Tensor& t) {
+      return t.narrow(0, slice.batch_begin, slice.batches)
+          .narrow(1, slice.kv_head_begin, slice.kv_heads);
+    };
+    const auto q_side = [&](const at::Tensor& t) {
+      at::Tensor s = t.size(0) > 1 ? t.narrow(0, slice.batch_begin, slice.batches) : t;
+      return s.size(1) > 1 ? s.narrow(1, slice.kv_head_begin * group, slice.kv_heads * group)
+                           : s;
+    };
+    const at::Tensor q = q_side(query);
+    PaddedKeys p = pad_keys_for_cudnn(q, kv_side(key), kv_side(value),
+                                      bias.defined() ? q_side(bias) : bias, is_causal);
+    auto [dq_s, dk_s, dv_s] = engine.backward(q_side(grad_out), q, p.key, p.value, q_side(out),
+                                              q_side(logsumexp), philox_seed, philox_offset,
+                                              p.bias, 0.0, false, scale);
+    if (slices.size() == 1) {
+      dq = dq_s;
+    } else {
+      q_side(dq).copy_(dq_s);
+    }
+    kv_side(dk).copy_(dk_s.narrow(2, 0, s_kv));
+    kv_side(dv).copy_(dv_s.narrow(2, 0, s_kv));
+  }
+  return {dq, dk, dv};
 }
 
 // The kernels of the two ops for an engine (registered below per dispatch key).
@@ -204,12 +290,15 @@ Tensors3 backward_with_plan(const at::Tensor& grad_out, const at::Tensor& query,
     // Batch 1, one query row: exact in fp32 and GEMV-sized, so no engine's
     // backward runs (reference_attention.h says why). With dropout the
     // engine must replay its own pattern: the query grows instead.
-    auto [dq, dk, dv] =
-        single_row_backward(go_dense, query, key, value, out, logsumexp, bias, is_causal, scale);
-    if (current_settings().check_finite) {
-      check_finite_gradients(dq, dk, dv, query, key, logsumexp, plan);
-    }
-    return {dq, dk, dv};
+    return finish_backward(
+        single_row_backward(go_dense, query, key, value, out, logsumexp, bias, is_causal, scale),
+        query, key, logsumexp, plan);
+  }
+  if (plan.pad_keys_backward && dropout_p == 0.0) {
+    return finish_backward(
+        sliced_shim_backward(engine, go_dense, query, key, value, out, logsumexp, philox_seed,
+                             philox_offset, bias, is_causal, scale),
+        query, key, logsumexp, plan);
   }
   if (plan.pads_keys()) {
     PaddedKeys p = pad_keys_for_cudnn(query, key, value, bias, is_causal);
@@ -228,10 +317,7 @@ Tensors3 backward_with_plan(const at::Tensor& grad_out, const at::Tensor& query,
     dk = like_input(key, dk.narrow(2, 0, key.size(2)));
     dv = like_input(value, dv.narrow(2, 0, value.size(2)));
   }
-  if (current_settings().check_finite) {
-    check_finite_gradients(dq, dk, dv, query, key, logsumexp, plan);
-  }
-  return {dq, dk, dv};
+  return finish_backward({dq, dk, dv}, query, key, logsumexp, plan);
 }
 
 // ------------------------------------------------------------ CPU: reference
