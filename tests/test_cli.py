@@ -322,11 +322,19 @@ def test_guard_hits_agree_with_the_tables_own_queries(batch, q_len, kv_len, cudn
 
     q = torch.empty(batch, 8, q_len, 128, dtype=torch.bfloat16, device="meta", requires_grad=True)
     k = torch.empty(batch, 8, kv_len, 128, dtype=torch.bfloat16, device="meta")
-    names = _C.guard_hits(q, k, k, None, 0.0, False, None, False, cudnn)
+    hits = _C.guard_hits(q, k, k, None, 0.0, False, None, False, cudnn)
+    assert hits["planned"]
+    names = hits["rules"]
     rows = {r["name"]: r for r in openwam_sdpa.guard_rules()}
     assert all(rows[n]["first_version"] <= cudnn < rows[n]["end_version"] for n in names)
     assert any(n.startswith("key_tail") for n in names) == openwam_sdpa.key_tail_defect(
         cudnn, kv_len, 128)
+    # Without gradients and dropout no plan, so no rule; with dropout a plan.
+    inference = q.detach()
+    assert _C.guard_hits(inference, k, k, None, 0.0, False, None, False, cudnn) == \
+        {"planned": False, "rules": []}
+    assert _C.guard_hits(inference, k, k, None, 0.1, False, None, False, cudnn) == \
+        hits
 
 
 # ------------------------------------------------------------------ guards

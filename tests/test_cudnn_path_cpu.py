@@ -92,6 +92,29 @@ def test_every_plan_gives_the_unpadded_attention(case, plan):
         assert_close(a.double(), b, 5e-5, 5e-5, name)
 
 
+# The K/V shim's backward in slices (csrc/shim_slices.h; the CPU reference
+# slices wherever memory says). 512 queries over 70 keys (128 padded), 2
+# heads, head_dim 8: without a mask a slice of 2 batch elements fits stock's
+# workspace and 4 do not (2 slices); a key mask per batch element adds its
+# padded rows, and one element a slice fits (4 slices); with is_causal the
+# causal mask is built per slice; GQA splits one element's heads by group.
+SLICED = {"two_batch_elements": dict(B=4, H=2, L=512, S=70, E=8),
+          "one_batch_element_key_mask": dict(B=4, H=2, L=512, S=70, E=8, mask="key_bool"),
+          "causal": dict(B=4, H=2, L=512, S=70, E=8, is_causal=True),
+          "grouped_heads": dict(B=2, H=4, Hkv=2, L=512, S=200, E=8, mask="additive")}
+
+
+@pytest.mark.parametrize("case", SLICED.values(), ids=SLICED.keys())
+def test_the_shim_backward_in_slices_gives_the_unpadded_attention(case):
+    (q, k, v), mask, bias, causal = inputs(**case)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+    out, lse, g = run(q, k, v, bias, causal, KEY_TAIL, grad_out)
+    ref, _ = reference(q, k, v, grad_out, mask, causal, enable_gqa=True)
+    for name, a, b, x in zip(("dq", "dk", "dv"), g, ref[1:], (q, k, v)):
+        assert a.shape == x.shape and a.stride() == torch.empty_like(x).stride(), name
+        assert_close(a.double(), b, 5e-5, 5e-5, name)
+
+
 def test_pad_keys_forward_keeps_outputs():
     """The dropout plan runs the forward on padded keys too: same outputs."""
     (q, k, v), mask, bias, causal = inputs(mask="bool")

@@ -151,19 +151,26 @@ py::list guard_rules() {
 // condition the call's shape meets, in table order: what the table says of a
 // differentiated cuDNN call on a cuDNN that need not be loaded here (explain's
 // answer for the cuDNN a torch ships, on a machine without a GPU).
-py::list guard_hits(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+py::dict guard_hits(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                     const std::optional<at::Tensor>& attn_mask, double dropout_p,
                     bool is_causal, std::optional<double> scale, bool enable_gqa,
                     long cudnn_version) {
   const openwam::SdpaCall call{query, key, value, attn_mask, dropout_p,
                                is_causal, scale, enable_gqa};
+  py::dict hits;
   py::list names;
-  if (query.dim() != 3 && query.dim() != 4) return names;  // never on the cuDNN path
+  // Only a call that runs the training forward takes a plan (with dropout
+  // too, without gradients: SdpaCall::takes_training_forward says why).
+  hits["planned"] = call.takes_training_forward();
+  hits["rules"] = names;
+  if (!call.takes_training_forward() || (query.dim() != 3 && query.dim() != 4)) {
+    return hits;  // no plan, or never on the cuDNN path
+  }
   for (const openwam::GuardRule* rule :
        openwam::rules_covering(openwam::shape_of(call), cudnn_version)) {
     names.append(rule->name);
   }
-  return names;
+  return hits;
 }
 
 }  // namespace
@@ -182,7 +189,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("guard_hits", &guard_hits, py::arg("query"), py::arg("key"), py::arg("value"),
         py::arg("attn_mask"), py::arg("dropout_p"), py::arg("is_causal"), py::arg("scale"),
         py::arg("enable_gqa"), py::arg("cudnn_version"),
-        "The guard rules that cover this call, with gradients, on this cuDNN version.");
+        "{'planned': whether the call takes a fix plan (with gradients or dropout), "
+        "'rules': the guard rules that then cover it on this cuDNN version}.");
   m.def("key_tail_defect", &openwam::key_tail_defect, py::arg("cudnn_version"),
         py::arg("s_kv"), py::arg("head_dim"), py::arg("is_causal") = false,
         "Whether the guard table marks this cuDNN version and key length as "

@@ -203,7 +203,7 @@ def explain(call):
 
     def ask(device):
         inputs = fake_inputs(dict(call, device=device))
-        hits = _C.guard_hits(*inputs, *args, shipped) if shipped else []
+        hits = _C.guard_hits(*inputs, *args, shipped) if shipped else None
         return ops.explain(*inputs, *args), hits
 
     try:
@@ -229,10 +229,10 @@ def explain(call):
             hit = ops.key_tail_defect(shipped, call["kv_len"], call["head_dim"], call["causal"])
             status = doctor.coverage(shipped)["status"]
             answer["shipped_cudnn_key_tail"] = dict(cudnn=shipped, hit=bool(hit), status=status)
-            # A call with dropout takes the plan without gradients too (its dropout
-            # pattern must not depend on the grad mode: docs/design.md).
-            planned = call["differentiated"] or call["dropout"] > 0.0
-            answer["shipped_cudnn_rules"] = hits if planned else []
+            # A call with dropout takes the plan without gradients too (C++ says
+            # which calls take one: SdpaCall::takes_training_forward).
+            planned, hits = hits["planned"], hits["rules"]
+            answer["shipped_cudnn_rules"] = hits
             table = (f"the guard table for cuDNN {doctor.minor_str(shipped)} (what torch "
                      f"{torch.__version__.split('+')[0]} ships, {status})")
             if not planned:
