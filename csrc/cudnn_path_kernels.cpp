@@ -486,11 +486,7 @@ Tensors3 frontend_backward(const at::Tensor& grad_out, const at::Tensor& query,
   if (frontend::sdpa_backward(grad_out, query, key, value, out, logsumexp, philox_seed,
                               philox_offset, attn_bias.value_or(at::Tensor()), dropout_p,
                               is_causal, scale, plan.padding_mask, grads, why_not)) {
-    if (current_settings().check_finite) {
-      check_finite_gradients(std::get<0>(grads), std::get<1>(grads), std::get<2>(grads),
-                             query, key, logsumexp, plan);
-    }
-    return grads;
+    return finish_backward(std::move(grads), query, key, logsumexp, plan);
   }
   note_fallback(why_not, plan);
   return backward_with_plan<kAtenEngine>(grad_out, query, key, value, attn_bias, out,
