@@ -56,26 +56,34 @@ struct PaddedKeys {
   at::Tensor key, value, bias;
 };
 
-PaddedKeys pad_keys_for_cudnn(const at::Tensor& query, const at::Tensor& key,
-                              const at::Tensor& value, const at::Tensor& bias,
-                              bool is_causal) {
+// The bias of pad_keys_for_cudnn alone: what hides the keys past `s_kv` of
+// `s_kv_padded` from `query`'s rows, with `bias` and is_causal folded in.
+at::Tensor padded_keys_bias(const at::Tensor& query, const at::Tensor& bias, int64_t s_kv,
+                            int64_t s_kv_padded, bool is_causal) {
   std::optional<at::Tensor> mask;
   if (bias.defined()) {
     mask = bias;
   }
-  auto [k, v, padded_mask] = pad_keys(key, value, mask, kCudnnKeyTile);
+  at::Tensor padded_mask = pad_key_mask(mask, s_kv, s_kv_padded, query.device());
   if (is_causal) {
     TORCH_INTERNAL_ASSERT(!bias.defined());
     const int64_t s_q = query.size(2);
-    const int64_t s_padded = k.size(2);
     const auto index = query.options().dtype(at::kLong);
     // Top-left aligned, as F.sdpa's is_causal: key j is visible from query i
     // when j <= i (and j is a real key).
-    const at::Tensor causal = at::arange(s_padded, index).view({1, s_padded}).le(
+    const at::Tensor causal = at::arange(s_kv_padded, index).view({1, s_kv_padded}).le(
         at::arange(s_q, index).view({s_q, 1}));
     padded_mask = causal.logical_and(padded_mask);
   }
-  return {k, v, cudnn_bias(padded_mask, query.scalar_type(), 4, k.sym_size(2))};
+  return cudnn_bias(padded_mask, query.scalar_type(), 4, s_kv_padded);
+}
+
+PaddedKeys pad_keys_for_cudnn(const at::Tensor& query, const at::Tensor& key,
+                              const at::Tensor& value, const at::Tensor& bias,
+                              bool is_causal) {
+  const int64_t s_kv = key.size(2), s_padded = padded_length(s_kv, kCudnnKeyTile);
+  return {pad_dim(key, 2, s_padded, 0), pad_dim(value, 2, s_padded, 0),
+          padded_keys_bias(query, bias, s_kv, s_padded, is_causal)};
 }
 
 // The inputs of a one-query-row backward grown to two rows: zero query, zero
@@ -189,8 +197,9 @@ Tensors3 finish_backward(Tensors3 grads, const at::Tensor& query, const at::Tens
 
 // The K/V shim's backward (no dropout), slice by slice along batch and
 // key/value heads: shim_slices.h says why and how many. Each slice pads its
-// own K, V and bias; its gradients are copied into tensors laid out like the
-// inputs. One slice is the whole call.
+// own K and V, and the part of the bias it reads where the slice before read
+// another; its gradients are copied into tensors laid out like the inputs.
+// One slice is the whole call.
 Tensors3 sliced_shim_backward(const Engine& engine, const at::Tensor& grad_out,
                               const at::Tensor& query, const at::Tensor& key,
                               const at::Tensor& value, const at::Tensor& out,
@@ -219,6 +228,11 @@ Tensors3 sliced_shim_backward(const Engine& engine, const at::Tensor& grad_out,
   if (slices.size() > 1) {
     dq = at::empty_like(query);
   }
+  // Slices that read the same part of the bias (all of them, for a bias
+  // broadcast over batch and heads, or for is_causal's mask) share one
+  // padded copy of it.
+  at::Tensor padded_bias;
+  ShimSlice padded_rows{-1, 0, -1, 0};
   for (const ShimSlice& slice : slices) {
     const auto kv_side = [&](const at::Tensor& t) {
       return t.narrow(0, slice.batch_begin, slice.batches)
@@ -230,11 +244,17 @@ Tensors3 sliced_shim_backward(const Engine& engine, const at::Tensor& grad_out,
                            : s;
     };
     const at::Tensor q = q_side(query);
-    PaddedKeys p = pad_keys_for_cudnn(q, kv_side(key), kv_side(value),
-                                      bias.defined() ? q_side(bias) : bias, is_causal);
-    auto [dq_s, dk_s, dv_s] = engine.backward(q_side(grad_out), q, p.key, p.value, q_side(out),
-                                              q_side(logsumexp), philox_seed, philox_offset,
-                                              p.bias, 0.0, false, scale);
+    const ShimSlice rows = bias_rows(shape, slice);
+    if (!(rows == padded_rows)) {
+      padded_bias.reset();  // the previous slice's copy goes before the next is made
+      padded_bias = padded_keys_bias(q, bias.defined() ? q_side(bias) : bias, s_kv,
+                                     shape.s_kv_padded, is_causal);
+      padded_rows = rows;
+    }
+    auto [dq_s, dk_s, dv_s] = engine.backward(
+        q_side(grad_out), q, pad_dim(kv_side(key), 2, shape.s_kv_padded, 0),
+        pad_dim(kv_side(value), 2, shape.s_kv_padded, 0), q_side(out), q_side(logsumexp),
+        philox_seed, philox_offset, padded_bias, 0.0, false, scale);
     if (slices.size() == 1) {
       dq = dq_s;
     } else {

@@ -68,6 +68,37 @@ at::Tensor pad_dim(const at::Tensor& t, int64_t dim, int64_t new_length,
   return buffer.expand(out_sizes);
 }
 
+at::Tensor pad_key_mask(const std::optional<at::Tensor>& attn_mask, int64_t s_kv,
+                        int64_t s_kv_padded, const c10::Device& device) {
+  TORCH_INTERNAL_ASSERT(s_kv_padded >= s_kv);
+  if (!attn_mask.has_value()) {
+    // A new key-padding mask that broadcasts over everything but the keys.
+    return at::arange(s_kv_padded, at::TensorOptions().dtype(at::kLong).device(device))
+        .lt(s_kv)
+        .view({1, s_kv_padded});
+  }
+  const at::Tensor& m = *attn_mask;
+  TORCH_CHECK(m.scalar_type() == at::kBool || at::isFloatingType(m.scalar_type()),
+              "openwam::pad_keys: attn_mask must be bool or floating point, "
+              "got ", m.scalar_type());
+  TORCH_CHECK(m.dim() >= 1,
+              "openwam::pad_keys: attn_mask must have at least 1 dim, got 0-D");
+  TORCH_CHECK(m.size(-1) == s_kv || m.size(-1) == 1,
+              "openwam::pad_keys: attn_mask's last dim must be the key length (", s_kv,
+              ") or 1, got ", m.size(-1));
+  // A mask broadcast along the key axis is materialised along it only.
+  at::Tensor full = m;
+  if (m.size(-1) != s_kv) {
+    std::vector<int64_t> sizes = m.sizes().vec();
+    sizes.back() = s_kv;
+    full = m.expand(sizes);
+  }
+  const c10::Scalar hidden = m.scalar_type() == at::kBool
+                                 ? c10::Scalar(false)
+                                 : c10::Scalar(-std::numeric_limits<double>::infinity());
+  return pad_dim(full, -1, s_kv_padded, hidden);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pad_keys(
     const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, int64_t multiple) {
@@ -87,44 +118,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pad_keys(
   TORCH_CHECK(value.size(-2) == s_kv,
               "openwam::pad_keys: value must have the same sequence length as "
               "key (", s_kv, "), got ", value.size(-2));
-  if (attn_mask.has_value()) {
-    const at::Tensor& m = *attn_mask;
-    TORCH_CHECK(m.scalar_type() == at::kBool || at::isFloatingType(m.scalar_type()),
-                "openwam::pad_keys: attn_mask must be bool or floating point, "
-                "got ", m.scalar_type());
-    TORCH_CHECK(m.dim() >= 1,
-                "openwam::pad_keys: attn_mask must have at least 1 dim, got 0-D");
-    TORCH_CHECK(m.size(-1) == s_kv || m.size(-1) == 1,
-                "openwam::pad_keys: attn_mask's last dim must be the key length (",
-                s_kv, ") or 1, got ", m.size(-1));
-  }
-
   const int64_t target = padded_length(s_kv, multiple);
-  const bool grows = target != s_kv;
-
   at::Tensor k = pad_dim(key, -2, target, 0);
   at::Tensor v = pad_dim(value, -2, target, 0);
-
-  at::Tensor mask;
-  if (attn_mask.has_value()) {
-    const at::Tensor& m = *attn_mask;
-    const bool is_bool = m.scalar_type() == at::kBool;
-    // A mask broadcast along the key axis is materialised along it only.
-    at::Tensor full = m;
-    if (m.size(-1) != s_kv) {
-      std::vector<int64_t> sizes = m.sizes().vec();
-      sizes.back() = s_kv;
-      full = m.expand(sizes);
-    }
-    mask = grows ? pad_dim(full, -1, target,
-                           is_bool ? c10::Scalar(false)
-                                   : c10::Scalar(-std::numeric_limits<double>::infinity()))
-                 : full;
-  } else {
-    // A new key-padding mask that broadcasts over everything but the keys.
-    mask = at::arange(target, key.options().dtype(at::kLong)).lt(s_kv).view({1, target});
-  }
-  return {k, v, mask};
+  return {k, v, pad_key_mask(attn_mask, s_kv, target, key.device())};
 }
 
 }  // namespace openwam

@@ -25,12 +25,18 @@ int64_t padded_length(int64_t length, int64_t multiple);
 at::Tensor pad_dim(const at::Tensor& t, int64_t dim, int64_t new_length,
                    const c10::Scalar& fill);
 
+// The mask of the shim's padded keys: `attn_mask` (broadcastable to
+// [..., L, S], bool or additive) grown along the key axis from `s_kv` to
+// `s_kv_padded`, False (bool) or -inf (additive) there, and materialised
+// along that axis only where it broadcast along it; with no mask, a new bool
+// key-padding mask [1, s_kv_padded] on `device`.
+at::Tensor pad_key_mask(const std::optional<at::Tensor>& attn_mask, int64_t s_kv,
+                        int64_t s_kv_padded, const c10::Device& device);
+
 // The shim. key/value: [..., S, E]; attn_mask broadcastable to
 // [..., L, S] (bool or additive) or absent. Returns (key, value, mask) with S
 // grown to padded_length(S, multiple): keys and values zero in the tail, the
-// mask False (bool) or -inf (additive) there; with no mask, a new bool
-// key-padding mask of shape [1, S_padded]. A mask that broadcasts along the key
-// axis (size 1 there) is materialised along that axis only.
+// mask as pad_key_mask gives it.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pad_keys(
     const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, int64_t multiple);

@@ -64,4 +64,9 @@ std::vector<ShimSlice> shim_slices(const ShimShape& s, int64_t min_key_tiles) {
   return slices;
 }
 
+ShimSlice bias_rows(const ShimShape& s, const ShimSlice& slice) {
+  return {s.bias_per_batch ? slice.batch_begin : 0, s.bias_per_batch ? slice.batches : 1,
+          s.bias_per_head ? slice.kv_head_begin : 0, s.bias_per_head ? slice.kv_heads : 1};
+}
+
 }  // namespace openwam

@@ -54,4 +54,10 @@ int64_t stock_workspace_elements(const ShimShape& s);
 // key/value heads.
 std::vector<ShimSlice> shim_slices(const ShimShape& s, int64_t min_key_tiles);
 
+// The part of the bias [B|1, H|1, L|1, S] that `slice` reads, as a slice of
+// the bias's own batch and key/value-head axes: an axis the bias broadcasts
+// along is read whole (begin 0, length 1). Slices that read the same part
+// share one padded copy of the bias.
+ShimSlice bias_rows(const ShimShape& s, const ShimSlice& slice);
+
 }  // namespace openwam

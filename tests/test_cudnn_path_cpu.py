@@ -97,11 +97,15 @@ def test_every_plan_gives_the_unpadded_attention(case, plan):
 # heads, head_dim 8: without a mask a slice of 2 batch elements fits stock's
 # workspace and 4 do not (2 slices); a key mask per batch element adds its
 # padded rows, and one element a slice fits (4 slices); with is_causal the
-# causal mask is built per slice; GQA splits one element's heads by group.
+# causal mask is built once for every slice, as is a mask broadcast over
+# batch and heads; GQA splits one element's heads by group; a key mask per
+# element over heads split one a slice is padded once per element.
 SLICED = {"two_batch_elements": dict(B=4, H=2, L=512, S=70, E=8),
           "one_batch_element_key_mask": dict(B=4, H=2, L=512, S=70, E=8, mask="key_bool"),
           "causal": dict(B=4, H=2, L=512, S=70, E=8, is_causal=True),
-          "grouped_heads": dict(B=2, H=4, Hkv=2, L=512, S=200, E=8, mask="additive")}
+          "broadcast_mask": dict(B=4, H=2, L=512, S=70, E=8, mask="bool", rank=2),
+          "grouped_heads": dict(B=2, H=4, Hkv=2, L=512, S=200, E=8, mask="additive"),
+          "key_mask_heads_split": dict(B=2, H=4, L=512, S=70, E=8, mask="key_additive")}
 
 
 @pytest.mark.parametrize("case", SLICED.values(), ids=SLICED.keys())

@@ -9,6 +9,7 @@
 
 #include "shim_slices.h"
 
+using openwam::bias_rows;
 using openwam::shim_slice_elements;
 using openwam::shim_slices;
 using openwam::ShimShape;
@@ -118,4 +119,28 @@ TEST_CASE("shim slices: a batch that does not divide evenly takes a divisor", "[
   const std::vector<ShimSlice> nine = shim_slices(wide, 0);
   check_cover(wide, nine);
   CHECK(nine.size() == 3);
+}
+
+TEST_CASE("shim slices: slices that read the same part of the bias share it", "[shim]") {
+  // A [L, S] mask broadcast over batch and heads: one part, read by all.
+  const ShimShape broadcast{4, 24, 24, 4096, 4096, 128, 128, true, false, false, 4096};
+  const std::vector<ShimSlice> slices = shim_slices(broadcast, kH200Tiles);
+  REQUIRE(slices.size() == 4);
+  for (const ShimSlice& slice : slices) {
+    CHECK(bias_rows(broadcast, slice) == ShimSlice{0, 1, 0, 1});
+  }
+  // A key mask per batch element over heads split into slices: the slices
+  // of one element share its row, the next element reads another.
+  const ShimShape keys = key_mask(2, 32, 8, 8192, 8192, 128);
+  const std::vector<ShimSlice> split = shim_slices(keys, 0);
+  REQUIRE(split.size() > 2);
+  REQUIRE(split[0].batches == 1);
+  CHECK(bias_rows(keys, split[0]) == bias_rows(keys, split[1]));
+  CHECK(bias_rows(keys, split[0]) == ShimSlice{0, 1, 0, 1});
+  CHECK(bias_rows(keys, split.back()) == ShimSlice{1, 1, 0, 1});
+  // A bias per (batch, head) is its own part in every slice.
+  const ShimShape full{2, 32, 8, 8192, 8192, 128, 128, true, true, true, 8192};
+  const std::vector<ShimSlice> own = shim_slices(full, 0);
+  REQUIRE(own.size() > 1);
+  CHECK(!(bias_rows(full, own[0]) == bias_rows(full, own[1])));
 }

@@ -51,14 +51,15 @@ DROPOUT = [case(D=d, dtype=dt, mask=m, dropout=0.125, s_q=128, seed=3000 + i)
            for i, (d, dt, m) in enumerate(
                (d, dt, m) for d in (64, 128) for dt in DTYPES for m in ("none", "causal", "bool"))]
 # The bias corner where the K/V shim replaces the padding mask (few padded keys);
-# the last four large enough that its backward runs in two slices, one batch
+# the last six large enough that its backward runs in two slices, one batch
 # element each (csrc/shim_slices.h: 552 key tiles a slice on the H200's 132 SMs),
-# with every head and with grouped heads.
+# with every head and with grouped heads; an [L, S] mask is padded once for both.
 BIAS_SHIM = [case(mask=m, s_kv=s_kv, s_q=32, B=1, H=2, kv_heads=1, seed=4000 + i)
              for i, (m, s_kv) in enumerate((m, s_kv) for m in ("bool", "additive")
                                            for s_kv in (2112, 4032))] + \
             [case(mask=m, s_kv=2880, s_q=256, B=2, H=24, kv_heads=kv, seed=4100 + i)
-             for i, (m, kv) in enumerate((m, kv) for m in ("bool", "additive") for kv in (24, 8))]
+             for i, (m, kv) in enumerate((m, kv) for m in ("bool", "additive", "shared_additive")
+                                         for kv in (24, 8))]
 
 
 def sweep(cases, name, suite_results):

@@ -119,6 +119,9 @@ def inputs(c: dict, device="cuda"):
     elif c["mask"] == "additive":
         mask = torch.randn(B, 1, s_q, s_kv, generator=g)
         mask[..., s_kv - s_kv // 4:] = float("-inf") if s_kv > 3 else 0.0
+    elif c["mask"] == "shared_additive":  # one [L, S] mask for every batch element and head
+        mask = torch.randn(s_q, s_kv, generator=g)
+        mask[:, s_kv - s_kv // 4:] = float("-inf") if s_kv > 3 else 0.0
     elif c["mask"] == "left_padded":
         lengths = torch.randint(1, s_q + 1, (B,), generator=g)
         mask = left_padding_mask(lengths, s_q)
@@ -190,7 +193,7 @@ def check_case(i: int, c: dict, worst: dict, cudnn_admitted: list) -> str | None
         return None
     stock = best_stock(q, k, v, go, mask, causal)
     called = as_called(q, k, v, go, mask, causal)
-    padded, admitted = [], set()  # key-padded stock cuDNN: run once, where a clause needs it
+    padded, admitted = [], {}  # key-padded stock cuDNN: run once, where a clause needs it
 
     def key_padded_err(name, r):
         if not padded:
@@ -224,10 +227,13 @@ def check_case(i: int, c: dict, worst: dict, cudnn_admitted: list) -> str | None
                     f"as called is not finite) > the worse of flash and efficient "
                     f"({flash_efficient:.3e}) and > 2 x key-padded stock cuDNN + floor")
         if clause == "key-padded cuDNN":
-            admitted.add(name)
+            admitted[name] = (f"{name} {err:.3e} (best stock {yard:.3e}, as called {user:.3e}, "
+                              f"flash/efficient {flash_efficient:.3e}, key-padded cuDNN "
+                              f"{key_padded_err(name, r):.3e}, floor {floor:.3e})")
     if admitted:
         cudnn_admitted.append(i)
-        print(f"fuzz: {where}: {sorted(admitted)} admitted by key-padded stock cuDNN", flush=True)
+        print(f"fuzz: {where}: admitted by key-padded stock cuDNN: "
+              + "; ".join(admitted.values()), flush=True)
     return None
 
 
