@@ -16,11 +16,19 @@
 #           (on a warm machine that already has it: incremental build_ext)
 #   ctest   CMake build of the op library + Catch2 tests, then ctest
 #   cpu     python -m pytest -q tests --ignore=tests/gpu   (the CPU suite)
-#   gpu     python -m pytest -q tests/gpu, the fuzz and the ragged sweep excepted
-#           (each has a part of its own)
-#   fuzz    python -m pytest -q -s tests/gpu/test_fuzz_gpu.py: the differential fuzz
-#           (OPENWAM_FUZZ_CASES, default 1,000; OPENWAM_FUZZ_SEED replays a run;
-#           about 330 s on an H200)
+#   gpu     python -m pytest -q tests/gpu, the two fuzzes and the ragged sweep
+#           excepted (each has a part of its own)
+#   fuzz    the two differential fuzzes at once, each split over FUZZ_PROCS
+#           pytest processes (default 4) that share the GPU:
+#           tests/gpu/test_fuzz_gpu.py (FUZZ_CASES in all, default 1,000) and
+#           tests/gpu/test_varlen_fuzz_gpu.py (VARLEN_FUZZ_CASES, default 500).
+#           Process i draws from seed FUZZ_SEED + i (default: a random base, in
+#           the summary), so a failure replays alone with OPENWAM_FUZZ_SEED or
+#           OPENWAM_VARLEN_FUZZ_SEED. Why processes: one case builds several
+#           cuDNN graphs for its new shapes (host time, 40-85 ms each), and in
+#           one process the two fuzzes took about 0.4 and 1.1 s a case on an
+#           H200 (1,500 cases: about 15 minutes, past one device call).
+#           Logs and each process's results record: $OUT/fuzz/.
 #   ragged  python -m pytest -q tests/gpu/test_varlen_gpu.py -k test_cudnn_ragged_sweep:
 #           cuDNN's ragged layout, one child process per cell (about 170 s)
 #   tests   = ctest cpu gpu
@@ -43,11 +51,13 @@
 #
 # Environment: PYTEST_ARGS (extra args for both pytest runs, split on spaces:
 #   write `--deselect=ID` or `-k name`, not a quoted multi-word -k), BENCH_ARGS,
+#   FUZZ_PROCS, FUZZ_SEED, FUZZ_CASES, VARLEN_FUZZ_CASES, FUZZ_CAP (the fuzz
+#   part's time limit, default 540 s),
 #   TORCH_CUDA_ARCH_LIST (default 9.0a), MAX_JOBS (default: cores),
 #   FULL_BUILD=1 (always the pip build), JUNIT=1, DEVICE_BUDGET_S,
 #   GPU_CAP (the GPU suite's time limit, default 420 s; the suite takes
-#   about 300 s on an H200). The whole GPU evidence takes two calls:
-#   `build gpu`, then `fuzz ragged` (about 500 s).
+#   about 300 s on an H200). The whole GPU evidence takes three calls:
+#   `build gpu`, `fuzz`, then `ragged`.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -241,9 +251,58 @@ if ((want_gpu)); then
   junit=()
   [[ "${JUNIT:-0}" == "1" ]] && junit=(--junitxml="$OUT/pytest_gpu.xml")
   pytest_part gpu "${GPU_CAP:-420}" tests/gpu --ignore=tests/gpu/test_fuzz_gpu.py \
+    --ignore=tests/gpu/test_varlen_fuzz_gpu.py \
     --deselect=tests/gpu/test_varlen_gpu.py::test_cudnn_ragged_sweep "${junit[@]}"; st_gpu=$REPLY
 fi
-if ((want_fuzz)); then pytest_part fuzz "${FUZZ_CAP:-540}" -s tests/gpu/test_fuzz_gpu.py; st_fuzz=$REPLY; fi
+
+# fuzz_part: both fuzzes, FUZZ_PROCS processes each, all at once; sets REPLY.
+fuzz_part() {
+  local procs=${FUZZ_PROCS:-4} base=${FUZZ_SEED:-$((RANDOM * 32768 + RANDOM))}
+  local lim=$(( $(left) - 15 )) cap=${FUZZ_CAP:-540} name file target var cases i n rc log line
+  local -a pids=() logs=() bad=()
+  ((lim > cap)) && lim=$cap
+  if ((lim < 20)); then REPLY="skipped (time)"; return; fi
+  mkdir -p "$OUT/fuzz"
+  say "fuzz: ${FUZZ_CASES:-1000} dense and ${VARLEN_FUZZ_CASES:-500} varlen cases, $procs processes each, seeds $base + i, limit ${lim}s"
+  for name in dense varlen; do
+    if [[ $name == dense ]]; then
+      file=tests/gpu/test_fuzz_gpu.py var=OPENWAM_FUZZ cases=${FUZZ_CASES:-1000}
+    else
+      file=tests/gpu/test_varlen_fuzz_gpu.py var=OPENWAM_VARLEN_FUZZ cases=${VARLEN_FUZZ_CASES:-500}
+    fi
+    for ((i = 0; i < procs; i++)); do
+      n=$((cases / procs + (i < cases % procs)))
+      ((n > 0)) || continue
+      log=$OUT/fuzz/$name-$((base + i)).log
+      # The first process runs the whole file (the dense file's fixed head_dim
+      # 160 cases too), the others its random draw alone.
+      target=$file
+      ((i == 0)) || target="$file::test_$([[ $name == dense ]] || echo varlen_)fuzz_against_stock"
+      # shellcheck disable=SC2086
+      env "${var}_SEED=$((base + i))" "${var}_CASES=$n" OUT="$OUT/fuzz/$name-$((base + i))" \
+        timeout --kill-after=10 "$lim" "$PY" -m pytest -q -s -rfE -p no:cacheprovider "$target" \
+        ${PYTEST_ARGS:-} >"$log" 2>&1 &
+      pids+=($!) logs+=("$log")
+    done
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}"; rc=$?
+    section "$TESTS_LOG" "fuzz: ${logs[$i]}"
+    cat "${logs[$i]}" >>"$TESTS_LOG"
+    line=$(grep -E '^=*\s*[0-9]+ (passed|failed|skipped)' "${logs[$i]}" | tail -1 | sed -E 's/^=+ //; s/ =+$//')
+    if ((rc != 0)) || [[ "$line" != *passed* ]]; then
+      bad+=("$(basename "${logs[$i]}" .log): rc $rc, ${line:-no summary}")
+      grep -E 'fuzz: FAILED' "${logs[$i]}" | head -5 | cut -c1-400
+    fi
+  done
+  if ((${#bad[@]} == 0)); then
+    REPLY="ok: ${#pids[@]} processes passed (seeds $base..$((base + procs - 1)))"
+  else
+    REPLY="FAILED: $(printf '%s; ' "${bad[@]}")"
+  fi
+  say "fuzz: $REPLY"
+}
+if ((want_fuzz)); then fuzz_part; st_fuzz=$REPLY; fi
 if ((want_ragged)); then
   pytest_part ragged 300 tests/gpu/test_varlen_gpu.py::test_cudnn_ragged_sweep; st_ragged=$REPLY
 fi
