@@ -258,7 +258,7 @@ fi
 # fuzz_part: both fuzzes, FUZZ_PROCS processes each, all at once; sets REPLY.
 fuzz_part() {
   local procs=${FUZZ_PROCS:-4} base=${FUZZ_SEED:-$((RANDOM * 32768 + RANDOM))}
-  local lim=$(( $(left) - 15 )) cap=${FUZZ_CAP:-540} name file target var cases i n rc log line
+  local lim=$(( $(left) - 15 )) cap=${FUZZ_CAP:-540} name file draw target var cases i n rc log line
   local -a pids=() logs=() bad=()
   ((lim > cap)) && lim=$cap
   if ((lim < 20)); then REPLY="skipped (time)"; return; fi
@@ -266,9 +266,11 @@ fuzz_part() {
   say "fuzz: ${FUZZ_CASES:-1000} dense and ${VARLEN_FUZZ_CASES:-500} varlen cases, $procs processes each, seeds $base + i, limit ${lim}s"
   for name in dense varlen; do
     if [[ $name == dense ]]; then
-      file=tests/gpu/test_fuzz_gpu.py var=OPENWAM_FUZZ cases=${FUZZ_CASES:-1000}
+      file=tests/gpu/test_fuzz_gpu.py draw=test_fuzz_against_stock var=OPENWAM_FUZZ
+      cases=${FUZZ_CASES:-1000}
     else
-      file=tests/gpu/test_varlen_fuzz_gpu.py var=OPENWAM_VARLEN_FUZZ cases=${VARLEN_FUZZ_CASES:-500}
+      file=tests/gpu/test_varlen_fuzz_gpu.py draw=test_varlen_fuzz_against_stock
+      var=OPENWAM_VARLEN_FUZZ cases=${VARLEN_FUZZ_CASES:-500}
     fi
     for ((i = 0; i < procs; i++)); do
       n=$((cases / procs + (i < cases % procs)))
@@ -277,7 +279,7 @@ fuzz_part() {
       # The first process runs the whole file (the dense file's fixed head_dim
       # 160 cases too), the others its random draw alone.
       target=$file
-      ((i == 0)) || target="$file::test_$([[ $name == dense ]] || echo varlen_)fuzz_against_stock"
+      ((i == 0)) || target=$file::$draw
       # shellcheck disable=SC2086
       env "${var}_SEED=$((base + i))" "${var}_CASES=$n" OUT="$OUT/fuzz/$name-$((base + i))" \
         timeout --kill-after=10 "$lim" "$PY" -m pytest -q -s -rfE -p no:cacheprovider "$target" \
