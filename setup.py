@@ -241,6 +241,7 @@ if with_cuda:
         cxx_flags += ["-isystem", inc]
         nvcc_flags += ["-isystem", inc]
     link_args = []
+    sources += _rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
     if with_frontend:
         frontend_inc = _cudnn_frontend_include()
         cudnn = _cudnn_dirs(cuda_home)

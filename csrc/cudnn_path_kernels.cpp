@@ -19,6 +19,7 @@
 #include "padding.h"
 #include "plan.h"
 #include "reference_attention.h"
+#include "row_copy.h"
 #include "settings.h"
 #include "shim_slices.h"
 
@@ -64,7 +65,8 @@ at::Tensor padded_keys_bias(const at::Tensor& query, const at::Tensor& bias, int
   if (bias.defined()) {
     mask = bias;
   }
-  at::Tensor padded_mask = pad_key_mask(mask, s_kv, s_kv_padded, query.device());
+  at::Tensor padded_mask =
+      pad_key_mask(mask, s_kv, s_kv_padded, query.device(), PadWrite::kLeafKernel);
   if (is_causal) {
     TORCH_INTERNAL_ASSERT(!bias.defined());
     const int64_t s_q = query.size(2);
@@ -82,7 +84,8 @@ PaddedKeys pad_keys_for_cudnn(const at::Tensor& query, const at::Tensor& key,
                               const at::Tensor& value, const at::Tensor& bias,
                               bool is_causal) {
   const int64_t s_kv = key.size(2), s_padded = padded_length(s_kv, kCudnnKeyTile);
-  return {pad_dim(key, 2, s_padded, 0), pad_dim(value, 2, s_padded, 0),
+  return {pad_dim(key, 2, s_padded, 0, PadWrite::kLeafKernel),
+          pad_dim(value, 2, s_padded, 0, PadWrite::kLeafKernel),
           padded_keys_bias(query, bias, s_kv, s_padded, is_causal)};
 }
 
@@ -129,10 +132,12 @@ void make_empty(at::Tensor& t, const c10::Device& device) {
   }
 }
 
-// `grad` (a view into a padded gradient) as a tensor laid out like `input`,
-// which is what the Meta kernel promises.
-at::Tensor like_input(const at::Tensor& input, const at::Tensor& grad) {
-  return at::empty_like(input).copy_(grad);
+// The part of `padded_grad` (a gradient of `input` grown along dim 2) that is
+// `input`'s, laid out like `input`, which is what the Meta kernel promises.
+at::Tensor like_input(const at::Tensor& input, const at::Tensor& padded_grad) {
+  at::Tensor grad = at::empty_like(input);
+  copy_along(grad, padded_grad, 2, 0);
+  return grad;
 }
 
 // Key tiles each slice of a K/V shim backward keeps at least (shim_slices.h):
@@ -198,7 +203,8 @@ Tensors3 finish_backward(Tensors3 grads, const at::Tensor& query, const at::Tens
 // The K/V shim's backward (no dropout), slice by slice along batch and
 // key/value heads: shim_slices.h says why and how many. Each slice pads its
 // own K and V, and the part of the bias it reads where the slice before read
-// another; its gradients are copied into tensors laid out like the inputs.
+// another; its gradients are copied into tensors laid out like the inputs
+// (copy_along: row_copy.h says why not copy_).
 // One slice is the whole call.
 Tensors3 sliced_shim_backward(const Engine& engine, const at::Tensor& grad_out,
                               const at::Tensor& query, const at::Tensor& key,
@@ -251,17 +257,20 @@ Tensors3 sliced_shim_backward(const Engine& engine, const at::Tensor& grad_out,
                                      shape.s_kv_padded, is_causal);
       padded_rows = rows;
     }
-    auto [dq_s, dk_s, dv_s] = engine.backward(
-        q_side(grad_out), q, pad_dim(kv_side(key), 2, shape.s_kv_padded, 0),
-        pad_dim(kv_side(value), 2, shape.s_kv_padded, 0), q_side(out), q_side(logsumexp),
-        philox_seed, philox_offset, padded_bias, 0.0, false, scale);
+    const auto padded = [&](const at::Tensor& t) {
+      return pad_dim(kv_side(t), 2, shape.s_kv_padded, 0, PadWrite::kLeafKernel);
+    };
+    auto [dq_s, dk_s, dv_s] =
+        engine.backward(q_side(grad_out), q, padded(key), padded(value), q_side(out),
+                        q_side(logsumexp), philox_seed, philox_offset, padded_bias, 0.0, false,
+                        scale);
     if (slices.size() == 1) {
       dq = dq_s;
     } else {
-      q_side(dq).copy_(dq_s);
+      copy_along(q_side(dq), dq_s, 2, 0);
     }
-    kv_side(dk).copy_(dk_s.narrow(2, 0, s_kv));
-    kv_side(dv).copy_(dv_s.narrow(2, 0, s_kv));
+    copy_along(kv_side(dk), dk_s, 2, 0);
+    copy_along(kv_side(dv), dv_s, 2, 0);
   }
   return {dq, dk, dv};
 }
@@ -331,11 +340,11 @@ Tensors3 backward_with_plan(const at::Tensor& grad_out, const at::Tensor& query,
   auto [dq, dk, dv] = engine.backward(go, q, k, v, o, lse, philox_seed, philox_offset,
                                       bias, dropout_p, causal, scale);
   if (plan.pad_query_backward) {
-    dq = like_input(query, dq.narrow(2, 0, 1));
+    dq = like_input(query, dq);
   }
   if (plan.pads_keys()) {
-    dk = like_input(key, dk.narrow(2, 0, key.size(2)));
-    dv = like_input(value, dv.narrow(2, 0, value.size(2)));
+    dk = like_input(key, dk);
+    dv = like_input(value, dv);
   }
   return finish_backward({dq, dk, dv}, query, key, logsumexp, plan);
 }

@@ -7,6 +7,8 @@
 #include <numeric>
 #include <vector>
 
+#include "row_copy.h"
+
 namespace openwam {
 
 int64_t padded_length(int64_t length, int64_t multiple) {
@@ -19,7 +21,7 @@ int64_t padded_length(int64_t length, int64_t multiple) {
 }
 
 at::Tensor pad_dim(const at::Tensor& t, int64_t dim, int64_t new_length,
-                   const c10::Scalar& fill) {
+                   const c10::Scalar& fill, PadWrite how) {
   dim = c10::maybe_wrap_dim(dim, t.dim());
   const int64_t old_length = t.size(dim);
   TORCH_INTERNAL_ASSERT(new_length >= old_length);
@@ -60,8 +62,12 @@ at::Tensor pad_dim(const at::Tensor& t, int64_t dim, int64_t new_length,
   at::Tensor buffer =
       at::empty(permuted_sizes, t.options()).permute(inverse);
 
-  buffer.narrow(dim, 0, old_length).copy_(stored);
-  buffer.narrow(dim, old_length, new_length - old_length).fill_(fill);
+  if (how == PadWrite::kLeafKernel) {
+    copy_along(buffer, stored, dim, fill);
+  } else {
+    buffer.narrow(dim, 0, old_length).copy_(stored);
+    buffer.narrow(dim, old_length, new_length - old_length).fill_(fill);
+  }
 
   std::vector<int64_t> out_sizes = t.sizes().vec();
   out_sizes[dim] = new_length;
@@ -69,7 +75,7 @@ at::Tensor pad_dim(const at::Tensor& t, int64_t dim, int64_t new_length,
 }
 
 at::Tensor pad_key_mask(const std::optional<at::Tensor>& attn_mask, int64_t s_kv,
-                        int64_t s_kv_padded, const c10::Device& device) {
+                        int64_t s_kv_padded, const c10::Device& device, PadWrite how) {
   TORCH_INTERNAL_ASSERT(s_kv_padded >= s_kv);
   if (!attn_mask.has_value()) {
     // A new key-padding mask that broadcasts over everything but the keys.
@@ -96,7 +102,7 @@ at::Tensor pad_key_mask(const std::optional<at::Tensor>& attn_mask, int64_t s_kv
   const c10::Scalar hidden = m.scalar_type() == at::kBool
                                  ? c10::Scalar(false)
                                  : c10::Scalar(-std::numeric_limits<double>::infinity());
-  return pad_dim(full, -1, s_kv_padded, hidden);
+  return pad_dim(full, -1, s_kv_padded, hidden, how);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pad_keys(

@@ -17,6 +17,7 @@
 #include "../cudnn_attention.h"
 #include "../decision.h"
 #include "../guards.h"
+#include "../row_copy.h"
 #include "../ops.h"
 #include "../cudnn_frontend/stats.h"
 #include "../sdpa_call.h"
@@ -206,4 +207,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     openwam::frontend::clear_graph_cache();
 #endif
   }, "Drop every cached cuDNN graph (the next call of each shape builds anew).");
+  m.def("_copy_along",
+        [](const at::Tensor& dst, const at::Tensor& src, int64_t dim, double fill) {
+          openwam::copy_along(dst, src, dim, fill);
+        },
+        py::arg("dst"), py::arg("src"), py::arg("dim"), py::arg("fill"),
+        "For tests: the K/V shim's padded copy (row_copy.h), dst written in place.");
 }
