@@ -113,26 +113,30 @@ bool copy_rows_on_device(const at::Tensor& dst, const at::Tensor& src, int64_t d
 
 }  // namespace
 
-void copy_along(const at::Tensor& dst, const at::Tensor& src, int64_t dim,
+bool copy_along(const at::Tensor& dst, const at::Tensor& src, int64_t dim,
                 const c10::Scalar& fill) {
   dim = c10::maybe_wrap_dim(dim, dst.dim());
-  TORCH_INTERNAL_ASSERT(src.dim() == dst.dim() && src.scalar_type() == dst.scalar_type());
+  // Checks, not asserts: the tests reach this through openwam_sdpa._C.
+  TORCH_CHECK(src.dim() == dst.dim() && src.scalar_type() == dst.scalar_type(),
+              "copy_along: src and dst must agree in rank and dtype");
   for (int64_t d = 0; d < dst.dim(); ++d) {
-    TORCH_INTERNAL_ASSERT(d == dim || src.size(d) == dst.size(d));
+    TORCH_CHECK(d == dim || src.size(d) == dst.size(d),
+                "copy_along: src and dst may differ in dim ", dim, " only");
   }
   const int64_t n = std::min(dst.size(dim), src.size(dim));
   if (dst.numel() == 0) {
-    return;
+    return false;
   }
 #ifdef OPENWAM_WITH_CUDA
   if (copy_rows_on_device(dst, src, dim, n, fill)) {
-    return;
+    return true;
   }
 #endif
   dst.narrow(dim, 0, n).copy_(src.narrow(dim, 0, n));
   if (dst.size(dim) > n) {
     dst.narrow(dim, n, dst.size(dim) - n).fill_(fill);
   }
+  return false;
 }
 
 }  // namespace openwam

@@ -209,8 +209,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "Drop every cached cuDNN graph (the next call of each shape builds anew).");
   m.def("_copy_along",
         [](const at::Tensor& dst, const at::Tensor& src, int64_t dim, double fill) {
-          openwam::copy_along(dst, src, dim, fill);
+          return openwam::copy_along(dst, src, dim, fill);
         },
         py::arg("dst"), py::arg("src"), py::arg("dim"), py::arg("fill"),
-        "For tests: the K/V shim's padded copy (row_copy.h), dst written in place.");
+        "For tests: the K/V shim's padded copy (row_copy.h), dst written in place; "
+        "whether its kernel took the copy.");
 }

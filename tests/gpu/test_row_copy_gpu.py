@@ -1,8 +1,9 @@
 """copy_along's kernel (csrc/row_copy.h) against ATen's copy_ and fill_: the
-K/V shim's padded copies of K, V and the bias, and the copies of dK and dV
-back out, in every layout the shim gives them, and layouts the kernel must
-hand back to ATen (unaligned rows, a dtype it does not take, heads sliced
-out of BSHD)."""
+K/V shim's padded copies of K, V and the bias, and the copies of dK, dV and
+dQ back out, in every layout the shim gives them (each must take the
+kernel), and layouts the kernel must hand back to ATen (unaligned rows, a
+dtype it does not take, heads sliced out of BSHD, sides in different
+orders)."""
 import math
 
 import pytest
@@ -36,9 +37,10 @@ def _bshd(b, s, h, d, dtype):
     return torch.randn(b, s, h, d, device="cuda", dtype=dtype).transpose(1, 2)
 
 
-def _check(dst, src, dim, fill):
+def _check(dst, src, dim, fill, kernel=True):
+    """dst as ATen would write it, by the kernel where `kernel`, else by ATen."""
     want = _expected(dst, src, dim, fill)
-    _C()._copy_along(dst, src, dim, fill)
+    assert _C()._copy_along(dst, src, dim, fill) == kernel
     torch.cuda.synchronize()
     assert torch.equal(dst, want)
 
@@ -73,29 +75,39 @@ def test_bias_padded_with_neg_inf(dtype, shape):
 
 
 def test_slices_of_batch_and_heads():
-    """The sliced backward's dQ and dK copies: one batch element, some heads."""
+    """The sliced backward's dQ and dK copies: one batch element, some heads;
+    a slice of batch elements out of a padded gradient in the key's order."""
     dq = torch.zeros(4, 6, 128, 64, device="cuda", dtype=torch.bfloat16)
     part = torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
     _check(dq.narrow(0, 1, 1).narrow(1, 2, 2), part, 2, 0.0)
     dk = _bshd(4, 200, 6, 64, torch.bfloat16)
-    grad = torch.randn(2, 6, 256, 64, device="cuda", dtype=torch.bfloat16)
-    _check(dk.narrow(0, 2, 2), grad, 2, 0.0)
+    _check(dk.narrow(0, 2, 2), _bshd(2, 256, 6, 64, torch.bfloat16), 2, 0.0)
+
+
+def test_one_query_row_cut_from_two():
+    """pad_query_backward's dQ: the first of two query rows."""
+    _check(torch.empty(1, 4, 1, 64, device="cuda", dtype=torch.bfloat16),
+           torch.randn(1, 4, 2, 64, device="cuda", dtype=torch.bfloat16), 2, 0.0)
 
 
 def test_layouts_handed_to_aten():
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
     # Rows of 3 x 2 bytes: not a multiple of 16 bytes.
-    _check(torch.zeros(5, 8, device="cuda", dtype=torch.bfloat16),
-           torch.randn(5, 3, device="cuda", dtype=torch.bfloat16), 1, NEG_INF)
+    _check(torch.zeros(5, 8, **bf16), torch.randn(5, 3, **bf16), 1, NEG_INF, kernel=False)
     # A dtype the kernel does not take.
     _check(torch.zeros(2, 3, 256, 64, device="cuda", dtype=torch.float64),
-           torch.randn(2, 3, 200, 64, device="cuda", dtype=torch.float64), 2, 0.0)
+           torch.randn(2, 3, 200, 64, device="cuda", dtype=torch.float64), 2, 0.0,
+           kernel=False)
     # Heads sliced out of BSHD: the keys' stride is not the row's.
     key = _bshd(2, 200, 6, 64, torch.bfloat16).narrow(1, 0, 3)
-    _check(torch.zeros(2, 3, 256, 64, device="cuda", dtype=torch.bfloat16), key, 2, 0.0)
+    _check(torch.zeros(2, 3, 256, 64, **bf16), key, 2, 0.0, kernel=False)
     # A start one element into its storage: not 16-byte aligned.
-    flat = torch.randn(2 * 3 * 200 * 64 + 1, device="cuda", dtype=torch.bfloat16)
-    _check(torch.zeros(2, 3, 256, 64, device="cuda", dtype=torch.bfloat16),
-           flat[1:].view(2, 3, 200, 64), 2, 0.0)
+    flat = torch.randn(2 * 3 * 200 * 64 + 1, **bf16)
+    _check(torch.zeros(2, 3, 256, 64, **bf16), flat[1:].view(2, 3, 200, 64), 2, 0.0,
+           kernel=False)
+    # BSHD out of BHSD: the two sides' rows run in different orders.
+    _check(_bshd(2, 200, 6, 64, torch.bfloat16), torch.randn(2, 6, 256, 64, **bf16), 2, 0.0,
+           kernel=False)
 
 
 def test_capturable_in_a_cuda_graph():
@@ -104,7 +116,7 @@ def test_capturable_in_a_cuda_graph():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        _C()._copy_along(padded, key, 2, 0.0)  # warm-up outside the capture
+        assert _C()._copy_along(padded, key, 2, 0.0)  # warm-up outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
