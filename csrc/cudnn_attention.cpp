@@ -11,6 +11,8 @@
 #include <numeric>
 #include <vector>
 
+#include "mask_bias.h"
+
 #ifdef OPENWAM_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #endif
@@ -132,17 +134,22 @@ const char* cudnn_rejects(const SdpaCall& call) {
   return nullptr;
 }
 
-at::Tensor cudnn_bias(const at::Tensor& mask, at::ScalarType dtype,
-                      int64_t input_rank, const c10::SymInt& s_kv) {
+at::Tensor cudnn_bias(const at::Tensor& mask, at::ScalarType dtype, int64_t input_rank,
+                      const c10::SymInt& s_kv, const std::optional<c10::SymInt>& s_kv_padded) {
   at::Tensor bias;
   if (mask.scalar_type() == at::kBool) {
-    // -inf everywhere, then 0 where the mask is True: two kernels, one
-    // allocation, broadcast shape kept. (at::where(mask, 0, -inf) costs an
-    // allocation and a fill kernel more for each scalar it turns into a
-    // device tensor, a few microseconds of host time per masked call.)
-    bias = at::full_symint(mask.sym_sizes(), -std::numeric_limits<double>::infinity(),
-                           mask.options().dtype(dtype))
-               .masked_fill_(mask, 0);
+    // In one pass (mask_bias.h), the keys grown where asked.
+    const at::Tensor m = mask.dim() == 0 ? mask.unsqueeze(0) : mask;
+    bias = mask_bias(m, dtype, s_kv, s_kv_padded.value_or(s_kv));
+  } else if (s_kv_padded.has_value()) {
+    // The keys grown to s_kv_padded, -inf there; the mask copied into the
+    // first s_kv (a mask broadcast along the keys broadcasts into them).
+    const at::Tensor m = mask.dim() == 0 ? mask.unsqueeze(0) : mask;
+    std::vector<c10::SymInt> sizes(m.sym_sizes().begin(), m.sym_sizes().end());
+    sizes.back() = *s_kv_padded;
+    bias = at::full_symint(sizes, -std::numeric_limits<double>::infinity(),
+                           m.options().dtype(dtype));
+    bias.narrow_symint(-1, 0, s_kv).copy_(m);
   } else {
     bias = mask.scalar_type() == dtype ? mask : mask.to(dtype);
   }
@@ -153,7 +160,7 @@ at::Tensor cudnn_bias(const at::Tensor& mask, at::ScalarType dtype,
   if (input_rank == 3) {
     bias = bias.unsqueeze(1);
   }
-  if (bias.sym_size(-1) != s_kv || bias.sym_stride(-1) != 1) {
+  if (!s_kv_padded.has_value() && (bias.sym_size(-1) != s_kv || bias.sym_stride(-1) != 1)) {
     std::vector<c10::SymInt> sizes(bias.sym_sizes().begin(), bias.sym_sizes().end());
     sizes.back() = s_kv;
     bias = bias.expand_symint(sizes).contiguous();

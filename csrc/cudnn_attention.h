@@ -39,8 +39,11 @@ const char* cudnn_rejects(const SdpaCall& call);
 // `input_rank` (3 or 4: a 3-D call gets a unit head axis), its last dim
 // materialised and contiguous; other broadcast axes stay broadcast. A bool or
 // float32 bias handed to the direct op is silently misread in torch 2.11.
-at::Tensor cudnn_bias(const at::Tensor& mask, at::ScalarType dtype,
-                      int64_t input_rank, const c10::SymInt& s_kv);
+// With `s_kv_padded`, the key axis is grown to it, -inf past s_kv: the bias of
+// a K/V shim backward, written here once (cudnn_path.cpp says when).
+at::Tensor cudnn_bias(const at::Tensor& mask, at::ScalarType dtype, int64_t input_rank,
+                      const c10::SymInt& s_kv,
+                      const std::optional<c10::SymInt>& s_kv_padded = std::nullopt);
 
 // The output of cuDNN's forward for this query and value head_dim, laid out
 // as ATen allocates it (like the query; dense in its stride order when the

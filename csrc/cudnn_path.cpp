@@ -13,6 +13,7 @@
 #include "autograd_node.h"
 #include "cudnn_attention.h"
 #include "ops.h"
+#include "padding.h"
 
 namespace openwam {
 namespace {
@@ -136,8 +137,21 @@ at::Tensor run_cudnn_path(const SdpaCall& call, const Decision& decision) {
   const at::Tensor v = three_d ? call.value.unsqueeze(1) : call.value;
   std::optional<at::Tensor> bias;
   if (call.attn_mask.has_value()) {
-    bias = cudnn_bias(*call.attn_mask, call.query.scalar_type(), call.query.dim(),
-                      call.key.sym_size(-2));
+    const at::Tensor& mask = *call.attn_mask;
+    const c10::SymInt s_kv = call.key.sym_size(-2);
+    // A K/V shim backward reads the bias with its keys padded. Where the bias
+    // is a new tensor anyway (a bool mask, or one of another dtype), it is
+    // written padded here, once, instead of copied padded at the backward: in
+    // a compiled Qwen2 step at 2x4032, left-padded, that copy was two thirds
+    // of the shim's copied bytes (H200, cuDNN 9.19.0). A mask already in the
+    // inputs' dtype is not copied: every layer would hold its own padded copy
+    // from its forward to its backward.
+    std::optional<c10::SymInt> padded;
+    if (mask.scalar_type() != call.query.scalar_type() &&
+        shim_takes_bias(decision.plan, true, s_kv, call.dropout_p)) {
+      padded = padded_length(s_kv, kCudnnKeyTile);
+    }
+    bias = cudnn_bias(mask, call.query.scalar_type(), call.query.dim(), s_kv, padded);
   }
   at::Tensor out = std::get<0>(ops::cudnn_sdpa().call(
       q, k, v, bias, call.dropout_p, call.is_causal, call.scale,

@@ -57,10 +57,29 @@ struct PaddedKeys {
   at::Tensor key, value, bias;
 };
 
+// The bias as the leaf ops take it: its last dim the key length (or 1), or,
+// for a K/V shim backward, already grown to the key tile with -inf there
+// (run_cudnn_path writes it so where it makes the bias anyway). The forward,
+// and every backward but the shim's, read its first s_kv keys.
+at::Tensor bias_keys(const at::Tensor& bias, int64_t s_kv) {
+  if (!bias.defined() || bias.size(-1) == s_kv || bias.size(-1) == 1) {
+    return bias;
+  }
+  const int64_t padded = padded_length(s_kv, kCudnnKeyTile);
+  TORCH_CHECK(bias.size(-1) == padded, "openwam::_cudnn_sdpa: attn_bias's last dim must be "
+              "the key length (", s_kv, ") or, padded for the K/V shim, ", padded, "; got ",
+              bias.size(-1));
+  return bias.narrow(-1, 0, s_kv);
+}
+
 // The bias of pad_keys_for_cudnn alone: what hides the keys past `s_kv` of
-// `s_kv_padded` from `query`'s rows, with `bias` and is_causal folded in.
+// `s_kv_padded` from `query`'s rows, with `bias` and is_causal folded in. A
+// bias that comes padded (bias_keys) is that already.
 at::Tensor padded_keys_bias(const at::Tensor& query, const at::Tensor& bias, int64_t s_kv,
                             int64_t s_kv_padded, bool is_causal) {
+  if (bias.defined() && s_kv_padded != s_kv && bias.size(-1) == s_kv_padded) {
+    return bias;
+  }
   std::optional<at::Tensor> mask;
   if (bias.defined()) {
     mask = bias;
@@ -283,7 +302,8 @@ Tensors4 forward_with_plan(const at::Tensor& query, const at::Tensor& key,
                            bool is_causal, std::optional<double> scale,
                            bool compute_log_sumexp, int64_t plan_bits) {
   const Plan plan = Plan::from_int(plan_bits);
-  at::Tensor k = key, v = value, bias = attn_bias.value_or(at::Tensor());
+  at::Tensor k = key, v = value;
+  at::Tensor bias = bias_keys(attn_bias.value_or(at::Tensor()), key.size(2));
   bool causal = is_causal;
   if (plan.pad_keys_forward) {
     // Dropout: the backward must see the key length the forward's dropout
@@ -310,7 +330,8 @@ Tensors3 backward_with_plan(const at::Tensor& grad_out, const at::Tensor& query,
   // gives an expanded one) is materialised: the padding reads rows of it.
   const at::Tensor go_dense = grad_out.stride(-1) == 1 ? grad_out : grad_out.contiguous();
   at::Tensor q = query, k = key, v = value, go = go_dense, o = out, lse = logsumexp;
-  at::Tensor bias = attn_bias.value_or(at::Tensor());
+  const at::Tensor given_bias = attn_bias.value_or(at::Tensor());  // maybe padded (bias_keys)
+  at::Tensor bias = bias_keys(given_bias, key.size(2));
   bool causal = is_causal;
   TORCH_CHECK(!plan.pad_query_backward || query.size(2) == 1,
               "openwam::_cudnn_sdpa_backward: the plan pad_query_backward is for a "
@@ -326,11 +347,11 @@ Tensors3 backward_with_plan(const at::Tensor& grad_out, const at::Tensor& query,
   if (plan.pad_keys_backward && dropout_p == 0.0) {
     return finish_backward(
         sliced_shim_backward(engine, go_dense, query, key, value, out, logsumexp, philox_seed,
-                             philox_offset, bias, is_causal, scale),
+                             philox_offset, given_bias, is_causal, scale),
         query, key, logsumexp, plan);
   }
   if (plan.pads_keys()) {
-    PaddedKeys p = pad_keys_for_cudnn(query, key, value, bias, is_causal);
+    PaddedKeys p = pad_keys_for_cudnn(query, key, value, given_bias, is_causal);
     k = p.key, v = p.value, bias = p.bias, causal = false;
   }
   if (plan.pad_query_backward) {
@@ -428,21 +449,6 @@ Tensors3 frontend_padded_backward(const at::Tensor& grad_out, const at::Tensor& 
 constexpr Engine kFrontendPaddedEngine{&cudnn_forward, &frontend_padded_backward<false>};
 constexpr Engine kFrontendGrownQueryEngine{&cudnn_forward, &frontend_padded_backward<true>};
 
-// With a bias, cuDNN's padding-mask backward is the slow corner: 1.10x-1.23x
-// stock's fwd+bwd at 360x64 to 4096x4032 (H200, cuDNN 9.19.0, bf16, head_dim
-// 128), whatever the key length. Padding K/V and the bias to the next multiple
-// of 128 instead costs what the extra keys cost: 1.06x at 4096x4032 (1.6% more
-// keys), 1.21x against 1.20x at 1024x1088 (5.9%), 1.27x-1.42x from 704 keys
-// down. So the K/V shim takes the key-tail fix where it adds at most 1/32 of
-// the keys. Not with dropout: the forward ran on the unpadded keys, and the
-// backward must see the key length its dropout pattern was drawn for.
-bool shim_is_cheaper(const Plan& plan, const std::optional<at::Tensor>& attn_bias,
-                     const at::Tensor& key, double dropout_p) {
-  if (!attn_bias.has_value() || !plan.pad_keys_backward || dropout_p > 0.0) return false;
-  const int64_t s_kv = key.size(2);
-  return (padded_length(s_kv, kCudnnKeyTile) - s_kv) * 32 <= s_kv;
-}
-
 Tensors4 frontend_forward(const at::Tensor& query, const at::Tensor& key,
                           const at::Tensor& value, const std::optional<at::Tensor>& attn_bias,
                           double dropout_p, bool is_causal, std::optional<double> scale,
@@ -459,8 +465,10 @@ Tensors4 frontend_forward(const at::Tensor& query, const at::Tensor& key,
   // prepare (frontend_backward). Preparing it cost the shim's first call a
   // third graph build (1.5x stock's first call at 4096x4032, H200).
   const bool prepare_backward =
-      !plan.pad_query_backward && !shim_is_cheaper(plan, attn_bias, key, dropout_p);
-  if (frontend::sdpa_forward(query, key, value, attn_bias.value_or(at::Tensor()),
+      !plan.pad_query_backward &&
+      !shim_takes_bias(plan, attn_bias.has_value(), key.size(2), dropout_p);
+  if (frontend::sdpa_forward(query, key, value,
+                             bias_keys(attn_bias.value_or(at::Tensor()), key.size(2)),
                              compute_log_sumexp, dropout_p, is_causal, scale,
                              plan.padding_mask, prepare_backward, f, why_not)) {
     return finish_forward(std::move(f), query, compute_log_sumexp, dropout_p);
@@ -491,7 +499,7 @@ Tensors3 frontend_backward(const at::Tensor& grad_out, const at::Tensor& query,
                     "To explicitly enable determinism call "
                     "torch.use_deterministic_algorithms(True, warn_only=False).");
   }
-  if (shim_is_cheaper(plan, attn_bias, key, dropout_p)) {
+  if (shim_takes_bias(plan, attn_bias.has_value(), key.size(2), dropout_p)) {
     return backward_with_plan<kFrontendPaddedEngine>(grad_out, query, key, value, attn_bias,
                                                      out, logsumexp, philox_seed, philox_offset,
                                                      dropout_p, is_causal, scale, plan_bits);
@@ -513,8 +521,9 @@ Tensors3 frontend_backward(const at::Tensor& grad_out, const at::Tensor& query,
   Tensors3 grads;
   std::string why_not;
   if (frontend::sdpa_backward(grad_out, query, key, value, out, logsumexp, philox_seed,
-                              philox_offset, attn_bias.value_or(at::Tensor()), dropout_p,
-                              is_causal, scale, plan.padding_mask, grads, why_not)) {
+                              philox_offset,
+                              bias_keys(attn_bias.value_or(at::Tensor()), key.size(2)),
+                              dropout_p, is_causal, scale, plan.padding_mask, grads, why_not)) {
     return finish_backward(std::move(grads), query, key, logsumexp, plan);
   }
   note_fallback(why_not, plan);

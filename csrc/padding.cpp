@@ -7,6 +7,7 @@
 #include <numeric>
 #include <vector>
 
+#include "cudnn_attention.h"
 #include "row_copy.h"
 
 namespace openwam {
@@ -18,6 +19,21 @@ int64_t padded_length(int64_t length, int64_t multiple) {
   TORCH_CHECK(length >= 0, "openwam::pad_keys: length must be >= 0, got ",
               length);
   return (length + multiple - 1) / multiple * multiple;
+}
+
+c10::SymInt padded_length(const c10::SymInt& length, int64_t multiple) {
+  TORCH_INTERNAL_ASSERT(multiple > 0);
+  return (length + multiple - 1) / multiple * multiple;
+}
+
+bool shim_takes_bias(const Plan& plan, bool has_bias, const c10::SymInt& s_kv,
+                     double dropout_p) {
+  if (!has_bias || !plan.pad_keys_backward || dropout_p > 0.0) {
+    return false;
+  }
+  return ((padded_length(s_kv, kCudnnKeyTile) - s_kv) * 32)
+      .sym_le(s_kv)
+      .guard_bool(__FILE__, __LINE__);
 }
 
 at::Tensor pad_dim(const at::Tensor& t, int64_t dim, int64_t new_length,

@@ -12,6 +12,8 @@
 #include <optional>
 #include <tuple>
 
+#include "plan.h"
+
 namespace openwam {
 
 // How pad_dim writes its buffer. kAutograd: copy_ and fill_, differentiable
@@ -22,6 +24,22 @@ enum class PadWrite { kAutograd, kLeafKernel };
 
 // Smallest multiple of `multiple` that is >= `length`.
 int64_t padded_length(int64_t length, int64_t multiple);
+c10::SymInt padded_length(const c10::SymInt& length, int64_t multiple);
+
+// Whether a differentiated call's backward takes the K/V shim on the op's own
+// cuDNN graphs (the ATen fallback takes it for every pad_keys_backward plan).
+//
+// With a bias, cuDNN's padding-mask backward is the slow corner: 1.10x-1.23x
+// stock's fwd+bwd at 360x64 to 4096x4032 (H200, cuDNN 9.19.0, bf16, head_dim
+// 128), whatever the key length. Padding K/V and the bias to the next multiple
+// of 128 instead costs what the extra keys cost: 1.06x at 4096x4032 (1.6% more
+// keys), 1.21x against 1.20x at 1024x1088 (5.9%), 1.27x-1.42x from 704 keys
+// down. So the shim takes the key-tail fix where it adds at most 1/32 of the
+// keys. Not with dropout: the forward ran on the unpadded keys, and the
+// backward must see the key length its dropout pattern was drawn for.
+// (A symbolic s_kv is guarded on.)
+bool shim_takes_bias(const Plan& plan, bool has_bias, const c10::SymInt& s_kv,
+                     double dropout_p);
 
 // `t` grown along `dim` to `new_length`, the new entries set to `fill`.
 // The physical layout is kept: the buffer has the stride order of `t` (a BSHD

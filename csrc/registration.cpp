@@ -4,6 +4,7 @@
 //   _cudnn_sdpa           cudnn_path.cpp (Autograd), cudnn_path_kernels.cpp
 //   _cudnn_sdpa_backward  (CUDA, CPU reference, Meta)
 //   pad_keys              padding.cpp
+//   _mask_bias            mask_bias.cpp (CPU, CUDA, Meta)
 #include <torch/library.h>
 
 TORCH_LIBRARY(openwam, m) {
@@ -34,4 +35,7 @@ TORCH_LIBRARY(openwam, m) {
   m.def(
       "pad_keys(Tensor key, Tensor value, Tensor? attn_mask=None, "
       "int multiple=128) -> (Tensor, Tensor, Tensor)");
+  // A bool mask as cuDNN's additive bias (mask_bias.h), its keys grown to
+  // s_kv_padded with -inf there.
+  m.def("_mask_bias(Tensor mask, ScalarType dtype, SymInt s_kv, SymInt s_kv_padded) -> Tensor");
 }

@@ -119,6 +119,45 @@ def test_the_shim_backward_in_slices_gives_the_unpadded_attention(case):
         assert_close(a.double(), b, 5e-5, 5e-5, name)
 
 
+def _padded_bias(bias, s_kv_padded):
+    """`bias` with its keys grown to s_kv_padded, -inf there: what run_cudnn_path
+    passes the leaf ops for a K/V shim backward (cudnn_bias with s_kv_padded)."""
+    grown = torch.full(bias.shape[:-1] + (s_kv_padded,), -math.inf, dtype=bias.dtype)
+    grown[..., : bias.shape[-1]] = bias
+    return grown
+
+
+# A bias that comes padded: the forward reads its first s_kv keys, the shim's
+# backward takes it as it is (no padded copy), every other backward its keys.
+PADDED_BIAS = {"shim": dict(mask="bool", plan=KEY_TAIL),
+               "shim_in_slices": dict(B=4, H=2, L=512, S=70, E=8, mask="key_bool", plan=KEY_TAIL),
+               "grouped_heads_additive": dict(H=4, Hkv=2, mask="additive", plan=KEY_TAIL),
+               "one_query_row": dict(one_row=True, mask="bool",
+                                     plan=KEY_TAIL | PAD_QUERY_BACKWARD),
+               "padding_mask_alone": dict(mask="bool", plan=PADDING_MASK)}
+
+
+@pytest.mark.parametrize("case", PADDED_BIAS.values(), ids=PADDED_BIAS.keys())
+def test_a_padded_bias_gives_what_the_bias_gives(case):
+    case = dict(case)
+    plan = case.pop("plan")
+    (q, k, v), _, bias, causal = inputs(**case)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+    out, lse, g = run(q, k, v, bias, causal, plan, grad_out)
+    p_out, p_lse, p_g = run(q, k, v, _padded_bias(bias, 128), causal, plan, grad_out)
+    assert torch.equal(out, p_out) and torch.equal(lse, p_lse)
+    for name, a, b in zip(("dq", "dk", "dv"), g, p_g):
+        assert a.shape == b.shape and a.stride() == b.stride(), name
+        assert_close(a, b, 1e-6, 1e-6, name)
+
+
+def test_a_bias_of_another_key_length_raises():
+    (q, k, v), _, bias, causal = inputs(mask="bool")
+    with pytest.raises(RuntimeError, match=r"attn_bias's last dim must be the key length \(70\) "
+                                           r"or, padded for the K/V shim, 128; got 100"):
+        run(q, k, v, _padded_bias(bias, 100), causal, KEY_TAIL, torch.ones(q.shape))
+
+
 def test_pad_keys_forward_keeps_outputs():
     """The dropout plan runs the forward on padded keys too: same outputs."""
     (q, k, v), mask, bias, causal = inputs(mask="bool")

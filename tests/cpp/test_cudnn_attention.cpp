@@ -439,6 +439,36 @@ TEST_CASE("cudnn_bias: right-aligned to 4-D, a 3-D call gets a unit head axis",
   }
 }
 
+TEST_CASE("cudnn_bias: grown to s_kv_padded for the K/V shim, -inf past s_kv",
+          "[cudnn_attention]") {
+  SECTION("a bool mask [B, 1, L, S]") {
+    at::Tensor mask = at::rand({2, 1, 3, 5}, kF64).gt(0.5);
+    mask.select(-1, 0).fill_(true);
+    const at::Tensor bias = openwam::cudnn_bias(mask, at::kBFloat16, 4, 5, c10::SymInt(8));
+    CHECK(bias.sizes() == at::IntArrayRef({2, 1, 3, 8}));
+    CHECK(bias.is_contiguous());
+    CHECK(bias.narrow(-1, 0, 5).equal(openwam::cudnn_bias(mask, at::kBFloat16, 4, 5)));
+    CHECK(bias.narrow(-1, 5, 3).isneginf().all().item<bool>());
+  }
+  SECTION("an additive mask of another dtype, 3-D call") {
+    const at::Tensor mask = at::randn({3, 5}, kF32);
+    const at::Tensor bias = openwam::cudnn_bias(mask, at::kHalf, 3, 5, c10::SymInt(8));
+    CHECK(bias.sizes() == at::IntArrayRef({1, 1, 3, 8}));
+    CHECK(bias.scalar_type() == at::kHalf);
+    CHECK(bias.narrow(-1, 0, 5).equal(mask.to(at::kHalf).view({1, 1, 3, 5})));
+    CHECK(bias.narrow(-1, 5, 3).isneginf().all().item<bool>());
+  }
+  SECTION("a mask broadcast along the keys") {
+    at::Tensor mask = at::zeros({2, 1, 1, 1}, at::kBool);
+    mask[0].fill_(true);
+    const at::Tensor bias = openwam::cudnn_bias(mask, at::kBFloat16, 4, 6, c10::SymInt(8));
+    CHECK(bias.sizes() == at::IntArrayRef({2, 1, 1, 8}));
+    CHECK(bias[0].narrow(-1, 0, 6).eq(0).all().item<bool>());
+    CHECK(bias[0].narrow(-1, 6, 2).isneginf().all().item<bool>());
+    CHECK(bias[1].isneginf().all().item<bool>());
+  }
+}
+
 TEST_CASE("cudnn_bias: the last dim is materialised and contiguous", "[cudnn_attention]") {
   SECTION("a mask broadcast along the keys (size 1)") {
     const at::Tensor mask = at::randn({3, 1}, kF32);

@@ -49,6 +49,27 @@ TEST_CASE("padded_length rejects a non-positive multiple or length", "[padding]"
         "openwam::pad_keys: length must be >= 0, got -1");
 }
 
+TEST_CASE("shim_takes_bias: a biased key-tail backward that adds at most 1/32 of the keys",
+          "[padding]") {
+  openwam::Plan key_tail;
+  key_tail.padding_mask = key_tail.pad_keys_backward = true;
+  CHECK(openwam::shim_takes_bias(key_tail, true, 4032, 0.0));   // 64 of 4096 keys added
+  CHECK(openwam::shim_takes_bias(key_tail, true, 2048 + 64, 0.0));  // 64 of 2176, at 1/33
+  CHECK_FALSE(openwam::shim_takes_bias(key_tail, true, 1024 + 64, 0.0));  // 64 of 1152
+  CHECK_FALSE(openwam::shim_takes_bias(key_tail, true, 704, 0.0));
+  CHECK_FALSE(openwam::shim_takes_bias(key_tail, false, 4032, 0.0));  // no bias
+  CHECK_FALSE(openwam::shim_takes_bias(key_tail, true, 4032, 0.1));   // dropout
+  openwam::Plan mask_only;
+  mask_only.padding_mask = true;
+  CHECK_FALSE(openwam::shim_takes_bias(mask_only, true, 4032, 0.0));
+}
+
+TEST_CASE("padded_length of a SymInt", "[padding]") {
+  CHECK(openwam::padded_length(c10::SymInt(4032), 128) == 4096);
+  CHECK(openwam::padded_length(c10::SymInt(4096), 128) == 4096);
+  CHECK(openwam::padded_length(c10::SymInt(1), 128) == 128);
+}
+
 TEST_CASE("pad_dim keeps the stride order of a BSHD view", "[padding]") {
   const int64_t B = 2, S = 5, H = 3, D = 4, S_pad = 8;
   at::Tensor bshd = at::randn({B, S, H, D}, kF64);
