@@ -1,0 +1,75 @@
+"""openwam_sdpa names its build in torch.compile's cache keys
+(python/openwam_sdpa/_compile_cache.py says why): the tag's value, a user's
+own tag kept, and, end to end on the CPU, a graph cached by this build hit
+again while one cached under another build's tag is missed."""
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import openwam_sdpa
+from openwam_sdpa import _C, _compile_cache
+
+
+def test_tag_is_the_extension_files_hash():
+    with open(_C.__file__, "rb") as f:
+        want = "openwam_sdpa=" + hashlib.sha256(f.read()).hexdigest()[:16]
+    assert _compile_cache.build_tag(_C.__file__) == want
+    assert torch.compiler.config.cache_key_tag.split(",")[-1] == want
+
+
+def test_a_users_tag_is_kept_and_ours_replaced_not_repeated():
+    ours = "openwam_sdpa=0123456789abcdef"
+    assert _compile_cache.with_build_tag("", ours) == ours
+    assert _compile_cache.with_build_tag("mine", ours) == f"mine,{ours}"
+    assert _compile_cache.with_build_tag(f"mine,openwam_sdpa=ffff,theirs", ours) == \
+        f"mine,theirs,{ours}"
+    assert _compile_cache.with_build_tag(ours, ours) == ours
+
+
+def test_the_environments_tag_survives_import():
+    env = dict(os.environ, TORCH_COMPILE_CACHE_KEY_TAG="mine")
+    out = subprocess.run([sys.executable, "-c", "import torch, openwam_sdpa; "
+                          "print(torch.compiler.config.cache_key_tag)"],
+                         env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "mine," + _compile_cache.build_tag(_C.__file__)
+
+
+# One process, its own cache directory: compile, reset dynamo, compile again
+# (a hit from AOTAutograd's cache), then under another build's tag (a miss).
+SCRIPT = textwrap.dedent("""
+    import torch, openwam_sdpa
+    from torch._dynamo.utils import counters
+    from openwam_sdpa import _compile_cache
+
+    def f(q, k, v, m):
+        return openwam_sdpa.sdpa(q, k, v, attn_mask=m)
+
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    m = torch.rand(1, 1, 8, 8) > 0.3
+    def compiled_hits():
+        torch._dynamo.reset()
+        before = counters["aot_autograd"]["autograd_cache_hit"]
+        torch.compile(f, backend="inductor")(q, k, v, m)
+        return counters["aot_autograd"]["autograd_cache_hit"] - before
+    first, again = compiled_hits(), compiled_hits()
+    config = torch.compiler.config
+    config.cache_key_tag = _compile_cache.with_build_tag(config.cache_key_tag,
+                                                         "openwam_sdpa=another-build")
+    other = compiled_hits()
+    print(first, again, other, counters["aot_autograd"]["autograd_cache_miss"])
+""")
+
+
+def test_another_builds_cached_graph_is_not_taken(tmp_path):
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+               TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_AUTOGRAD_CACHE="1")
+    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    first, again, other, misses = map(int, r.stdout.split()[-4:])
+    assert (first, again, other) == (0, 1, 0), r.stdout
+    assert misses == 2, r.stdout
