@@ -44,10 +44,12 @@ def stock_forward(q, k, v, mask):
 @pytest.mark.parametrize("pad", ["auto", "always"])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("mask_kind", MASKED)
-@pytest.mark.parametrize("s_kv", [192, 392, 704])
+@pytest.mark.parametrize("s_kv", [192, 392, 704, 4032])
 def test_forward_bit_identical_when_differentiated(s_kv, mask_kind, layout, pad, ow, settings):
     """A differentiated call (its backward will be fixed) returns stock's
-    forward output exactly, even on inputs whose backward the fix changes."""
+    forward output exactly, even on inputs whose backward the fix changes.
+    At 4032 keys the backward takes the K/V shim, so a bool mask's bias is
+    written with 4096-key rows and the forward reads its first 4032."""
     settings(cudnn="1", pad=pad)
     q, k, v = cuda_adversarial_qkv(B, H, S_Q, s_kv, D, (7,), layout=layout, seed=s_kv)
     mask = cuda_mask(mask_kind, B, 1, S_Q, s_kv, seed=s_kv + 1)
