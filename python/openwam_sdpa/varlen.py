@@ -68,15 +68,15 @@ def varlen_sdpa(
     cu_seqlens_q and cu_seqlens_k are one tensor (every sequence square).
 
     The engine is chosen per call (explain_varlen() says which). On CUDA, for
-    fp16/bf16 with head_dim <= 256 and a multiple of 8: cuDNN's ragged layout
-    on the op's own graphs where the guard table lets it run (the cuDNN this
-    project measured), else ATen's FlashAttention-2 varlen; otherwise
-    openwam_sdpa.sdpa over the packed batch with a block-diagonal mask
-    (O(total_q * total_k) memory). On the CPU an exact per-sequence reference
-    (no dropout).
+    fp16/bf16: cuDNN's ragged layout on the op's own graphs (Hopper, head_dim
+    a multiple of 16 up to 256) where the guard table lets it run (the cuDNN
+    this project measured), else ATen's FlashAttention-2 varlen (head_dim a
+    multiple of 8 up to 256); otherwise openwam_sdpa.sdpa over the packed
+    batch with a block-diagonal mask (O(total_q * total_k) memory). On the
+    CPU an exact per-sequence reference; dropout_p > 0 raises there.
 
-    Arguments of other types raise F.sdpa's TypeError for them (a bool
-    is_causal, an int max_seqlen_q, a tensor cu_seqlens_q...).
+    Arguments of the wrong type raise F.sdpa's TypeError for them (is_causal
+    must be a bool, max_seqlen_q an int, cu_seqlens_q a tensor...).
     """
     (query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
      scale, dropout_p, enable_gqa) = _parsed(
@@ -116,8 +116,9 @@ def explain_varlen(
 
 
 def varlen_settings(reload: bool = False) -> dict:
-    """OPENWAM_SDPA_VARLEN in force ('auto', 'flash' or 'cudnn'), read once
-    and cached; reload=True re-reads the environment."""
+    """OPENWAM_SDPA_VARLEN in force ('auto', 'flash', 'cudnn' or
+    'block_diagonal'), read once and cached; reload=True re-reads the
+    environment."""
     return {"varlen": torch.ops.openwam._sdpa_varlen_settings(reload)}
 
 
