@@ -2,6 +2,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
@@ -52,8 +53,9 @@ struct CudnnSdpaBackward final : public Node {
     const at::Tensor seed = philox_seed.unpack(self), offset = philox_offset.unpack(self);
     // A plain backward (no create_graph) records nothing, so the backward op
     // and the ATen calls inside it skip their autograd kernels (a microsecond
-    // or two of host time). With create_graph the call keeps them: PyTorch's
-    // fallback for ops without a derivative then marks the gradients.
+    // or two of host time). With create_graph the call keeps them: the
+    // backward op's Autograd kernel (registered below) then marks the
+    // gradients as not differentiable again.
     std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
     if (!at::GradMode::is_enabled()) {
       below_autograd.emplace();
@@ -163,4 +165,11 @@ at::Tensor run_cudnn_path(const SdpaCall& call, const Decision& decision) {
 
 TORCH_LIBRARY_IMPL(openwam, Autograd, m) {
   m.impl("_cudnn_sdpa", &openwam::cudnn_sdpa_autograd);
+  // The backward has no derivative of its own. Under create_graph its
+  // gradients get a node that raises "derivative for
+  // openwam::_cudnn_sdpa_backward is not implemented" if differentiated
+  // again, as PyTorch's fused SDPA backwards do. Without a kernel here,
+  // PyTorch's fallback only warned, and a second derivative came out wrong
+  // (the CPU reference's) or zero.
+  m.impl("_cudnn_sdpa_backward", torch::autograd::autogradNotImplementedFallback());
 }

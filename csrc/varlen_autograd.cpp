@@ -5,6 +5,7 @@
 // openwam::_cudnn_sdpa.
 #include <ATen/core/grad_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
@@ -115,4 +116,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sdpa_varlen_autograd(
 
 TORCH_LIBRARY_IMPL(openwam, Autograd, m) {
   m.impl("_sdpa_varlen", &openwam::sdpa_varlen_autograd);
+  // Not twice differentiable, and says so as cudnn_path.cpp's backward does.
+  m.impl("_sdpa_varlen_backward", torch::autograd::autogradNotImplementedFallback());
 }

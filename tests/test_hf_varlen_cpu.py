@@ -155,3 +155,60 @@ def test_one_unpacked_sequence_takes_the_usual_path():
     keys = {e.key: e.count for e in prof.key_averages()}
     assert keys.get("openwam::sdpa_varlen", 0) == 0
     assert keys.get("openwam::sdpa", 0) == LAYERS
+
+
+def varlen_calls(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        result = fn()
+    return result, sum(e.count for e in prof.key_averages() if e.key == "openwam::sdpa_varlen")
+
+
+def test_generate_style_left_padding_is_not_taken_for_packed():
+    """Batch 1, left-padded, with generate()'s position_ids (cumsum of the mask
+    minus 1, padding filled with 1: [1, 1, 1, 0, 1, ...]): no packing, so the
+    attention mask rules, as in transformers' own "sdpa". Before the
+    packing rule asked for a start at 0, the row was split at every 1 and
+    the real tokens' logits were off by 0.58 (found in review)."""
+    ids = torch.randint(96, (1, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[0, 0, 0] + [1] * 9])
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    args = dict(input_ids=ids, attention_mask=mask, position_ids=pos)
+    with torch.no_grad():
+        ours, calls = varlen_calls(lambda: tiny_model("llama")(**args).logits)
+        ref = tiny_model("llama", "sdpa")(**args).logits
+    assert calls == 0
+    torch.testing.assert_close(ours[:, 3:], ref[:, 3:], rtol=1e-4, atol=1e-5)
+
+
+def test_inference_mode_forward_and_generate():
+    """Under torch.inference_mode (pipelines, serving) tensors have no version
+    counter: the per-forward cache must not read one. An unpacked batch of
+    one (generate's prefill) and a packed one both run, with the logits and
+    tokens of transformers' "sdpa"."""
+    ids = torch.randint(96, (1, 10), generator=torch.Generator().manual_seed(2))
+    ours, ref = tiny_model("llama").eval(), tiny_model("llama", "sdpa").eval()
+    batch = {k: v for k, v in packed_batch(False).items() if k != "labels"}
+    with torch.inference_mode():
+        torch.testing.assert_close(ours(input_ids=ids).logits, ref(input_ids=ids).logits,
+                                   rtol=1e-4, atol=1e-5)
+        assert torch.equal(ours.generate(ids, max_new_tokens=4, do_sample=False),
+                           ref.generate(ids, max_new_tokens=4, do_sample=False))
+        packed, calls = varlen_calls(lambda: ours(**batch).logits)
+        torch.testing.assert_close(packed, ref(**batch).logits, rtol=1e-4, atol=1e-5)
+    assert calls == LAYERS
+
+
+def test_position_ids_refilled_in_place_between_forwards():
+    """One position_ids buffer reused across forwards, refilled through .data
+    (no version bump): each forward reads its boundaries afresh (at its first
+    layer), so the second forward attends per its own sequences."""
+    model, ref = tiny_model("llama").eval(), tiny_model("llama", "sdpa").eval()
+    ids = torch.randint(96, (1, 12), generator=torch.Generator().manual_seed(3))
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=pos)
+        pos.data.copy_(torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4]]))
+        ours, calls = varlen_calls(lambda: model(input_ids=ids, position_ids=pos).logits)
+        expected = ref(input_ids=ids, position_ids=pos.clone()).logits
+    assert calls == LAYERS
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)

@@ -318,3 +318,37 @@ def test_context_parallel_bypass_raises(ow, monkeypatch):
     with pytest.raises(NotImplementedError, match="patch\\(\\) before entering context_parallel"):
         ow.patch()
     assert F.scaled_dot_product_attention is ring_stand_in  # patch() left it alone
+
+
+def test_patch_per_call_holds_across_threads(ow):
+    """The transformers backend patches per attention call. Two threads inside
+    at once (nn.DataParallel's replicas, a server's workers): the first to
+    leave must neither unpatch the other mid-call nor, leaving last, keep
+    the patch for good. A patch() per call failed both ways."""
+    import threading
+
+    from openwam_sdpa.patching import patched_while_inside
+
+    a_inside, b_inside, a_left = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        with patched_while_inside():
+            a_inside.set()
+            b_inside.wait(5)
+        a_left.set()
+
+    def b():
+        a_inside.wait(5)
+        with patched_while_inside():
+            b_inside.set()
+            a_left.wait(5)
+            seen["patched after the other left"] = ow.is_patched()
+
+    threads = [threading.Thread(target=f) for f in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == {"patched after the other left": True}
+    assert F.scaled_dot_product_attention is F_SDPA

@@ -116,6 +116,18 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
+def test_double_backward_raises():
+    """No derivative of the backward: differentiating dQ again raises PyTorch's
+    error for that, where PyTorch's fallback used to warn and return a wrong
+    second derivative (0.13 off F.sdpa's, found in review)."""
+    q, k, v, cu_q, cu_k, max_q, max_k = packed([3, 2], H=2, E=4)
+    out = openwam_sdpa.varlen_sdpa(q, k, v, cu_q, cu_k, max_q, max_k)
+    (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError,
+                       match="derivative for openwam::_sdpa_varlen_backward is not implemented"):
+        torch.autograd.grad(dq.square().sum(), k)
+
+
 def test_only_needed_gradients_and_no_grad():
     q, k, v, cu_q, cu_k, max_q, max_k = packed([4, 2])
     k.requires_grad_(False)

@@ -8,6 +8,8 @@ The switch is process-wide, like torch's own backend switches. TorchScript
 compiles a patched call into openwam::sdpa.
 """
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -64,6 +66,48 @@ class patch:
 
     def __exit__(self, *exc):
         F.scaled_dot_product_attention = self._previous
+        return False
+
+
+class patched_while_inside:
+    """F.sdpa patched while any caller is inside, and what was there before
+    restored when the last one leaves: the transformers backend's patch per
+    attention call. patch() per call would race between threads running
+    models at once (nn.DataParallel's replicas, a server's workers): a
+    thread leaving restores what it found on entry, which may be another
+    thread's patch (F.sdpa then stays patched for good) or PyTorch's own
+    while another thread is still inside (its call then runs on stock
+    cuDNN, defects and all). Counted under a lock; under torch.compile the
+    tracer sees a plain patch() instead (it records the swap, and a lock
+    would break the graph)."""
+
+    _lock = threading.Lock()
+    _inside = 0
+    _previous = None
+
+    def __init__(self):
+        self._traced = torch.compiler.is_compiling()
+        if self._traced:
+            self._patch = patch()
+            return
+        cls = patched_while_inside
+        with cls._lock:
+            if cls._inside == 0:
+                cls._previous = patch()
+            cls._inside += 1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self._traced:
+            return self._patch.__exit__(*exc)
+        cls = patched_while_inside
+        with cls._lock:
+            cls._inside -= 1
+            if cls._inside == 0:
+                cls._previous.__exit__(*exc)
+                cls._previous = None
         return False
 
 

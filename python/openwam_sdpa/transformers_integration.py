@@ -10,8 +10,10 @@ instead, each sequence attending to itself only, without the dense
 block-diagonal mask "sdpa" would use:
   - with the keyword arguments DataCollatorWithFlattening(return_flash_attn_kwargs=True)
     gives (cu_seq_lens_q/k, max_length_q/k): no host sync;
-  - with position_ids that restart (DataCollatorWithFlattening's default):
-    the boundaries are read from them once per forward (one host sync).
+  - with position_ids that restart at 0 (DataCollatorWithFlattening's
+    default): the boundaries are read from them once per forward (one host
+    sync). Unlike transformers' own backends, which look for packing only
+    without a cache, this holds whatever use_cache says.
 OPENWAM_SDPA_UNPAD=1 unpads a padded batch the same way (causal or
 bidirectional full-attention layers; sliding-window layers keep the padded
 path): the key padding is read from the mask once per forward (one host sync).
@@ -19,10 +21,11 @@ path): the key padding is read from the mask once per forward (one host sync).
 
 import importlib.util
 import os
+import threading
 import weakref
 
 from ._import_hooks import after_import
-from .patching import patch
+from .patching import patched_while_inside
 
 NAME = "openwam_sdpa"
 
@@ -41,20 +44,33 @@ def unpad_enabled() -> bool:
 
 
 class _PerForward:
-    """One result per tensor (the mask or the position_ids every layer of a
-    forward receives): computed at the first layer, reused by the others."""
+    """One result per forward for the tensor that every layer of it receives
+    (the mask or the position_ids): computed at the forward's first layer,
+    reused by the layers after it.
+
+    A forward runs its layers in ascending `layer_idx`, so a call at a layer
+    no later than the one that computed the result starts a new forward and
+    computes afresh: a tensor refilled between forwards without a version
+    bump (through .data, a numpy view, or an inference tensor, which has no
+    version counter) is read again. Gradient checkpointing's recomputation
+    (later layers, the same tensor) reuses it. A module without `layer_idx`
+    computes on every call. Thread-local: two threads' forwards do not mix.
+    """
 
     def __init__(self):
-        self._key = None
-        self._value = None
+        self._local = threading.local()
 
-    def get(self, tensor, compute):
-        key = (weakref.ref(tensor), tensor._version)
-        if self._key is not None and self._key[0]() is tensor and self._key[1] == tensor._version:
-            return self._value
-        self._value = compute(tensor)
-        self._key = key
-        return self._value
+    def get(self, tensor, module, compute):
+        layer = getattr(module, "layer_idx", None)
+        version = None if tensor.is_inference() else tensor._version
+        entry = getattr(self._local, "entry", None)
+        if (entry is not None and layer is not None and entry[0]() is tensor
+                and entry[1] == version and layer > entry[2]):
+            return entry[3]
+        value = compute(tensor)
+        if layer is not None:
+            self._local.entry = (weakref.ref(tensor), version, layer, value)
+        return value
 
 
 _from_position_ids = _PerForward()
@@ -62,16 +78,22 @@ _from_mask = _PerForward()
 
 
 def _boundaries_from_position_ids(position_ids):
-    """(cu_seqlens int32, max_seqlen) of a [1, T] position_ids that restarts
-    at its first value, or None when it does not restart (one sequence)."""
+    """(cu_seqlens int32, max_seqlen) of a [1, T] position_ids that packs
+    several sequences (it starts at 0, and every next position is 0, a new
+    sequence, or one more than the last), or None otherwise: one sequence,
+    or positions of another kind, such as generate()'s left padding
+    ([1, 1, 0, 1, 2]), which the attention mask then describes."""
     import torch
 
     pos = position_ids.reshape(-1)
-    starts = torch.nonzero(pos == pos[0], as_tuple=False).flatten()
+    first = pos == 0
+    packs = first[0] & (first[1:] | (pos[1:] == pos[:-1] + 1)).all()
+    starts = torch.nonzero(first, as_tuple=False).flatten()
     if starts.numel() <= 1:
         return None
     cu = torch.cat([starts, starts.new_tensor([pos.numel()])]).to(torch.int32)
-    return cu, int(cu.diff().max().item())
+    packs, max_len = torch.stack([packs.to(cu.dtype), cu.diff().max()]).tolist()
+    return (cu, max_len) if packs else None
 
 
 def _rows_from_mask(mask):
@@ -130,13 +152,14 @@ def packed_attention(module, query, key, value, attention_mask, **kwargs):
         cu = cu.to(device=query.device, dtype=torch.int32)
         max_len = int(max_len)
     elif batch == 1 and kwargs.get("position_ids") is not None:
-        found = _from_position_ids.get(kwargs["position_ids"], _boundaries_from_position_ids)
+        found = _from_position_ids.get(kwargs["position_ids"], module,
+                                       _boundaries_from_position_ids)
         if found is None:
             return None
         cu, max_len = found
     elif batch > 1 and attention_mask is not None and attention_mask.dim() == 4 \
             and unpad_enabled():
-        indices, cu, max_len = _from_mask.get(attention_mask, _rows_from_mask)
+        indices, cu, max_len = _from_mask.get(attention_mask, module, _rows_from_mask)
         q, k, v, a = _varlen(module, query, key, value, cu, max_len, kwargs)
         out = _run(q.index_select(0, indices), k.index_select(0, indices),
                    v.index_select(0, indices), a)
@@ -165,8 +188,9 @@ def register() -> bool:
         if packed is not None:
             return packed
         # transformers' "sdpa" attention, which calls
-        # F.scaled_dot_product_attention, with the op patched in for the call.
-        with patch():
+        # F.scaled_dot_product_attention, with the op patched in for the call
+        # (patching.py says why not patch() itself).
+        with patched_while_inside():
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(NAME, openwam_attention_forward)
