@@ -114,10 +114,11 @@ def test_json_lists_numbers_on_one_line():
 def test_json_leaves_other_lists_and_strings_as_they_are():
     """Only lists of numbers alone are joined: a string that looks like one
     (JSON escapes its newlines) and a list holding anything else keep
-    json.dumps' own layout."""
+    json.dumps' own layout. A non-finite float becomes a string (JSON has
+    none)."""
     obj = {"mixed": [1, "two", [3, 4]], "text": "[\n 1,\n 2\n]", "inf": [float("inf"), 1]}
     text = cli.to_json(obj)
-    assert json.loads(text) == obj
+    assert json.loads(text) == dict(obj, inf=["inf", 1])
     assert '"mixed": [\n  1,\n  "two",\n  [3, 4]\n ]' in text
 
 
@@ -132,7 +133,7 @@ def test_explain_answers_as_the_op_does_for_real_tensors(capsys):
     q = torch.zeros(2, 4, 7, 16, requires_grad=True)
     k = v = torch.zeros(2, 2, 9, 16)
     mask = torch.ones(2, 1, 7, 9, dtype=torch.bool)
-    want = openwam_sdpa.explain(q, k, v, mask, 0.0, False, None, True)
+    want = openwam_sdpa.explain(q, k, v, mask, 0.0, False, scale=None, enable_gqa=True)
     assert {key: got[key] for key in want} == want
     assert got["call"] == dict(batch=2, heads=4, kv_heads=2, q_len=7, kv_len=9, head_dim=16,
                                value_head_dim=16, dtype="fp32", mask="bool", causal=False,
@@ -206,12 +207,17 @@ def test_explain_report(capsys):
     assert lines[1].startswith("  route           pytorch: PyTorch's own")
 
 
+POSITIVE = "expected a positive integer up to 2147483647 (1, 2, ...)"
+
+
 @pytest.mark.parametrize("args,message", [
-    (["--causal", "--mask", "bool"], "rejects an attn_mask with is_causal=True"),
     (["--heads", "6", "--kv-heads", "4"], "--heads (6) must be a multiple of --kv-heads (4)"),
-    (["--q-len", "-3"], "argument --q-len: expected a positive integer (1, 2, ...), got '-3'"),
-    (["--batch", "x"], "argument --batch: expected a positive integer (1, 2, ...), got 'x'"),
-    (["--batch", "2.5"], "argument --batch: expected a positive integer (1, 2, ...), got '2.5'"),
+    (["--q-len", "-3"], f"argument --q-len: {POSITIVE}, got '-3'"),
+    (["--batch", "x"], f"argument --batch: {POSITIVE}, got 'x'"),
+    (["--batch", "2.5"], f"argument --batch: {POSITIVE}, got '2.5'"),
+    (["--batch", "99999999999999999999"], f"argument --batch: {POSITIVE}, got '99999999999999999999'"),
+    (["--batch", "2147483647", "--heads", "2147483647", "--q-len", "2147483647"],
+     "more than PyTorch can index (2**63 - 1)"),
     (["--mask", "float"], "invalid choice"),
 ])
 def test_explain_argument_errors(capsys, args, message):
@@ -219,6 +225,40 @@ def test_explain_argument_errors(capsys, args, message):
     assert code == cli.EXIT_USAGE and message in err, err
     assert "usage: python -m openwam_sdpa explain" in err
     assert "positive_int" not in err  # argparse names the type function where it fails
+
+
+def test_explain_answers_for_a_mask_with_is_causal(capsys):
+    """F.sdpa's answer to attn_mask with is_causal=True depends on its backend
+    (the CPU's takes it); the op hands such a call to PyTorch, and says so."""
+    answer = explain_json(capsys, "--causal", "--mask", "bool", "--device", "cpu")
+    assert answer["route"] == "pytorch" and answer["call"]["causal"], answer
+
+
+def test_explain_json_is_strict_json(capsys):
+    """JSON has no NaN: a non-finite --scale is written as a string."""
+    code, out, err = run_main(capsys, "explain", *EXPLAINED, "--scale", "nan", "--json")
+    assert code == 0, err
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+
+    assert json.loads(out, parse_constant=refuse)["call"]["scale"] == "nan"
+
+
+@pytest.mark.parametrize("command", ["doctor", "explain"])
+def test_a_bad_setting_is_one_line_and_the_usage_code(command):
+    """Every call of the op raises on a bad OPENWAM_SDPA_* value; the commands
+    that read the settings say so in one line and exit 2, not with a
+    traceback and the doctor's 'affected' code."""
+    import os
+
+    env = dict(os.environ, OPENWAM_SDPA_PAD="sometimes")
+    result = subprocess.run([sys.executable, "-m", "openwam_sdpa", command], capture_output=True,
+                            text=True, timeout=300, env=env)
+    assert result.returncode == cli.EXIT_USAGE and result.stdout == "", result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"python -m openwam_sdpa {command}: error: openwam::sdpa: environment variable "
+        "OPENWAM_SDPA_PAD must be 'auto', 'always' or 'never', got 'sometimes'"], result.stderr
 
 
 @pytest.mark.parametrize("command", ["doctor", "explain", "guards"])
@@ -346,7 +386,8 @@ def test_cudnn_versions(text, version):
     assert cli.cudnn_version(text) == version
 
 
-@pytest.mark.parametrize("text", ["9", "nine", "9.x", "9.100.0", "1.2.3.4", "-9.19"])
+@pytest.mark.parametrize("text", ["9", "nine", "9.x", "9.100.0", "1.2.3.4", "-9.19", "100.0",
+                                  "3000000000", "99999999999999999999"])
 def test_bad_cudnn_versions(text):
     with pytest.raises(Exception, match="expected a cuDNN version"):
         cli.cudnn_version(text)

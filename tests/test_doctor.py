@@ -157,7 +157,7 @@ def test_report_lists_the_gpu_facts():
     text = doctor.format_report(gpu_facts(1024, 0, 8192))
     assert "cuDNN            runtime 9.19.0, compiled 9.19.0" in text
     assert "settings         cudnn=follow_pytorch pad=auto check_finite=False" in text
-    assert "known pair       torch 2.11.0 ships cuDNN 9.19" in text
+    assert "known pair       torch 2.11.0's CUDA builds ship cuDNN 9.19" in text
     assert "guard table      cuDNN 9.19.0: measured rule key_tail_nan_dq_9.19 (s_kv % 128 in [64]" in text
     lines = text.splitlines()
     adv = next(i for i, line in enumerate(lines) if "adversarial case" in line)
@@ -190,7 +190,8 @@ def test_report_without_gpu_names_the_shipped_cudnn():
 def test_each_known_pair(torch_version, cudnn, status):
     assert doctor.shipped_cudnn(torch_version) == cudnn
     pair = doctor.known_pair(torch_version, cudnn)
-    assert pair["summary"] == f"torch {torch_version.split('+')[0]} ships cuDNN {doctor.minor_str(cudnn)}"
+    assert pair["summary"] == (f"torch {torch_version.split('+')[0]}'s CUDA builds ship cuDNN "
+                               f"{doctor.minor_str(cudnn)}")
     cov = doctor.coverage(cudnn)
     assert cov["status"] == status, cov
     if status == "measured":
@@ -210,8 +211,9 @@ def test_unknown_torch_and_a_foreign_cudnn():
     assert "torch 2.10.0+cu128 is not a known pair (2.11/9.19, 2.12/9.20" in \
         doctor.known_pair("2.10.0+cu128", 91000)["summary"]
     assert doctor.known_pair("2.11.0+cu130", 92001)["summary"] == \
-        "torch 2.11.0 ships cuDNN 9.19, but cuDNN 9.20.1 is loaded"
-    assert doctor.known_pair("2.11.0+cu130", 91901)["summary"] == "torch 2.11.0 ships cuDNN 9.19"
+        "torch 2.11.0's CUDA builds ship cuDNN 9.19, but cuDNN 9.20.1 is loaded"
+    assert doctor.known_pair("2.11.0+cu130", 91901)["summary"] == \
+        "torch 2.11.0's CUDA builds ship cuDNN 9.19"
 
 
 @pytest.mark.parametrize("cudnn,status", [

@@ -559,3 +559,27 @@ def test_argument_types_sdpa_refuses_alike(ow, arg, value, expected):
     if arg in ("is_causal", "enable_gqa"):
         assert _outcome(ow.sdpa, _Q, _Q, _Q, **{arg: value}) == (
             TypeError, expected.replace("varlen_sdpa()", "scaled_dot_product_attention()"))
+
+
+@pytest.mark.parametrize("lengths,error", [([-1, 4], ValueError), ([2.7, 1], TypeError),
+                                           ([2**31, 1], ValueError), ([2**31 - 2, 3], ValueError)])
+def test_cu_seqlens_from_lengths_refuses_what_int32_offsets_cannot_hold(lengths, error):
+    """Lengths negative, fractional or past int32 came out as offsets that
+    wrapped or went backwards (found in review); on CUDA nothing checks them
+    later."""
+    with pytest.raises(error):
+        cu_seqlens_from_lengths(lengths)
+    cu, max_len = cu_seqlens_from_lengths([torch.tensor(3), 0, 2])
+    assert cu.tolist() == [0, 3, 3, 5] and max_len == 3
+
+
+def test_head_dim_zero_attends_uniformly_as_f_sdpa():
+    """head_dim 0: empty dot products, and F.sdpa's math backend attends
+    uniformly (the mean of v); 0 times the default scale 1/sqrt(0) gave NaN."""
+    q, k, v, cu_q, cu_k, max_q, max_k = packed([3, 2], E=0, Ev=4, requires_grad=False)
+    out = openwam_sdpa.varlen_sdpa(q, k, v, cu_q, cu_k, max_q, max_k)
+    ref = torch.cat([F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
+                                                    v[a:b].transpose(0, 1)).transpose(0, 1)
+                     for a, b in ((0, 3), (3, 5))])
+    assert torch.isfinite(out).all()
+    assert_close(out, ref, 1e-12, 1e-12, "out")

@@ -9,6 +9,7 @@ argparse's 2 is the usage error, so the doctor's verdicts use 0, 1 and 3.
 
 import argparse
 import json
+import math
 import re
 import sys
 
@@ -23,7 +24,8 @@ EXIT_CODES = f"""\
 exit codes:
   {doctor.EXIT_OK}  success; doctor: nothing to do (not affected, or no CUDA GPU here)
   {doctor.EXIT_AFFECTED}  doctor: this stack is affected, and openwam_sdpa fixes it
-  {EXIT_USAGE}  usage error: unknown command or bad argument (argparse's code)
+  {EXIT_USAGE}  usage error: unknown command, bad argument or bad OPENWAM_SDPA_* setting
+     (argparse's code)
   {doctor.EXIT_BROKEN}  doctor: openwam_sdpa itself gave non-finite gradients"""
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
@@ -42,10 +44,22 @@ ROUTES = {
 _NUMBER_LIST = re.compile(r"\[\n\s*(-?\d[\d.eE+-]*(?:,\n\s*-?\d[\d.eE+-]*)*)\n\s*\]")
 
 
+def _finite(obj):
+    """obj with every non-finite float as the string Python prints for it:
+    JSON has no NaN or Infinity, and strict readers refuse them."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def to_json(obj):
     """Indented JSON, with each list of numbers on one line (the doctor's
     127 key-tail remainders would take 127 lines)."""
-    text = json.dumps(obj, indent=1, default=str)
+    text = json.dumps(_finite(obj), indent=1, default=str, allow_nan=False)
     return _NUMBER_LIST.sub(lambda m: "[" + re.sub(r",\n\s*", ", ", m.group(1)) + "]", text)
 
 
@@ -59,13 +73,19 @@ def version_text():
             f"{doctor.cudnn_str(info['cudnn_compiled'])})")
 
 
+# A size of one dimension: cuDNN's and PyTorch's attention kernels index
+# within int32.
+MAX_SIZE = 2**31 - 1
+
+
 def positive_int(text):
     try:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer (1, 2, ...), got {text!r}")
+    if not 1 <= value <= MAX_SIZE:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer up to {MAX_SIZE} (1, 2, ...), got {text!r}")
     return value
 
 
@@ -73,11 +93,11 @@ def cudnn_version(text):
     """9.19.0, 9.19 or 91900 to cuDNN's encoding (90000 + 100 * minor + patch)."""
     parts = text.split(".")
     try:
-        if len(parts) == 1 and int(text) >= 10000:
+        if len(parts) == 1 and 10000 <= int(text) < 1000000:
             return int(text)
         if 2 <= len(parts) <= 3:
             major, minor, patch = (int(p) for p in parts + ["0"] * (3 - len(parts)))
-            if major > 0 and 0 <= minor < 100 and 0 <= patch < 100:
+            if 0 < major < 100 and 0 <= minor < 100 and 0 <= patch < 100:
                 return major * 10000 + minor * 100 + patch
     except ValueError:
         pass
@@ -158,20 +178,25 @@ def explain_call(args):
                 device=args.device)
 
 
+def tensor_shapes(call):
+    """The shapes of query, key, value and the mask (if any) of the call."""
+    b, lq, lk = call["batch"], call["q_len"], call["kv_len"]
+    shapes = [(b, call["heads"], lq, call["head_dim"]), (b, call["kv_heads"], lk, call["head_dim"]),
+              (b, call["kv_heads"], lk, call["value_head_dim"])]
+    return shapes + ([(b, 1, lq, lk)] if call["mask"] != "none" else [])
+
+
 def fake_inputs(call):
     """query, key, value and mask as fake tensors on call["device"]: shapes,
     strides and dtype without memory, on a machine without CUDA too."""
     dtype = DTYPES[call["dtype"]]
-    b, lq, lk = call["batch"], call["q_len"], call["kv_len"]
-    q = torch.empty(b, call["heads"], lq, call["head_dim"], dtype=dtype, device=call["device"],
-                    requires_grad=call["differentiated"])
-    k = torch.empty(b, call["kv_heads"], lk, call["head_dim"], dtype=dtype, device=call["device"])
-    v = torch.empty(b, call["kv_heads"], lk, call["value_head_dim"], dtype=dtype,
-                    device=call["device"])
+    shapes = tensor_shapes(call)
+    q, k, v = (torch.empty(shape, dtype=dtype, device=call["device"]) for shape in shapes[:3])
+    q.requires_grad_(call["differentiated"])
     mask = None
     if call["mask"] != "none":
         mask_dtype = torch.bool if call["mask"] == "bool" else dtype
-        mask = torch.empty(b, 1, lq, lk, dtype=mask_dtype, device=call["device"])
+        mask = torch.empty(shapes[3], dtype=mask_dtype, device=call["device"])
     return q, k, v, mask
 
 
@@ -204,7 +229,9 @@ def explain(call):
     def ask(device):
         inputs = fake_inputs(dict(call, device=device))
         hits = _C.guard_hits(*inputs, *args, shipped) if shipped else None
-        return ops.explain(*inputs, *args), hits
+        dropout_p, is_causal, scale, enable_gqa = args
+        return ops.explain(*inputs, dropout_p, is_causal, scale=scale,
+                           enable_gqa=enable_gqa), hits
 
     try:
         # Fake tensors: the decision reads only metadata (as under torch.compile).
@@ -234,7 +261,7 @@ def explain(call):
             planned, hits = hits["planned"], hits["rules"]
             answer["shipped_cudnn_rules"] = hits
             table = (f"the guard table for cuDNN {doctor.minor_str(shipped)} (what torch "
-                     f"{torch.__version__.split('+')[0]} ships, {status})")
+                     f"{torch.__version__.split('+')[0]}'s CUDA builds ship, {status})")
             if not planned:
                 answer["notes"].append(f"{table}: no rule applies to a call without gradients "
                                        "(the defects are in the backward)")
@@ -279,10 +306,11 @@ def run_explain(args):
     parser = args.subparser
     if args.kv_heads and args.heads % args.kv_heads:
         parser.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
-    if args.causal and args.mask != "none":
-        parser.error("--causal with --mask: F.scaled_dot_product_attention rejects an "
-                     "attn_mask with is_causal=True; give one of them")
     call = explain_call(args)
+    elements = sum(math.prod(shape) for shape in tensor_shapes(call))
+    if elements >= 2**63:
+        parser.error(f"the call's tensors would hold {elements} elements, more than PyTorch "
+                     "can index (2**63 - 1)")
     refusal = pytorch_refusal(call)
     if refusal is not None:
         given = f"dropout_p={args.dropout}" + ("" if args.scale is None else f", scale={args.scale}")
@@ -325,7 +353,7 @@ def guard_table(cudnn=None):
 
 def format_guards(t):
     source = {"given": "given with --cudnn", "runtime": "loaded here",
-              "shipped": f"what torch {t['torch'].split('+')[0]} ships; none loaded here",
+              "shipped": f"what torch {t['torch'].split('+')[0]}'s CUDA builds ship; none loaded here",
               "none": "none loaded here, and this torch is not a known pair"}[t["cudnn_source"]]
     cudnn = doctor.cudnn_str(t["cudnn"]) if t["cudnn_source"] != "shipped" \
         else doctor.minor_str(t["cudnn"])
@@ -380,6 +408,14 @@ def main(argv=None):
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    if args.command in ("doctor", "explain"):
+        # Both read the settings; a bad OPENWAM_SDPA_* value raises there, and
+        # every call of the op would raise the same. One line, the usage code.
+        try:
+            ops.settings()
+        except RuntimeError as e:
+            print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
     if args.command == "doctor":
         return run_doctor(as_json=args.json)
     if args.command == "explain":

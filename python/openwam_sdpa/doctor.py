@@ -121,7 +121,8 @@ def known_pair(torch_version, cudnn_runtime):
     pairs = ", ".join(f"{t}/{minor_str(c)}" for t, c in KNOWN_PAIRS.items())
     if shipped is None:
         return dict(shipped=None, summary=f"torch {torch_version} is not a known pair ({pairs})")
-    text = f"torch {torch_version.split('+')[0]} ships cuDNN {minor_str(shipped)}"
+    # The CUDA builds: a CPU build of the same release ships no cuDNN.
+    text = f"torch {torch_version.split('+')[0]}'s CUDA builds ship cuDNN {minor_str(shipped)}"
     if cudnn_runtime and cudnn_runtime // 100 != shipped // 100:
         text += f", but cuDNN {cudnn_str(cudnn_runtime)} is loaded"
     return dict(shipped=shipped, summary=text)

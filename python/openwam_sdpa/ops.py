@@ -156,7 +156,11 @@ def explain(
     scale: Optional[float] = None,
     enable_gqa: bool = False,
 ) -> dict:
-    """What sdpa() would do with these inputs: route, backend, plan, guard rule."""
+    """What sdpa() would do with these inputs: route, backend, plan, guard rule.
+    F.sdpa's arguments, or the op's (all eight by position, as
+    torch.ops.openwam.sdpa takes them). Inputs the op hands to PyTorch are
+    explained as such, not checked: F.sdpa's error for them comes from the
+    call itself."""
     floats = _arguments.scalars(dropout_p, is_causal, scale, enable_gqa)
     if floats is None or not all(isinstance(t, _Tensor) for t in (query, key, value)) or not (
             attn_mask is None or isinstance(attn_mask, _Tensor)):
@@ -177,9 +181,13 @@ def settings() -> dict:
 
 def reload_settings() -> dict:
     """Re-read the OPENWAM_SDPA_* environment variables (after changing
-    os.environ); returns the new settings. A graph that torch.compile traced
-    before keeps the settings it was traced with: call torch._dynamo.reset()."""
-    return _C.reload_settings()
+    os.environ), OPENWAM_SDPA_VARLEN included; returns the new settings. A bad
+    value raises here, and every call raises until it is fixed. A graph that
+    torch.compile traced before keeps the settings it was traced with: call
+    torch._dynamo.reset()."""
+    settings = _C.reload_settings()
+    torch.ops.openwam._sdpa_varlen_settings(True)
+    return settings
 
 
 def frontend_stats(reset: bool = False) -> dict:

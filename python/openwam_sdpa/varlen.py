@@ -6,6 +6,7 @@ back, query [total_q, H, E], key/value [total_k, H_kv, E], and int32
 cu_seqlens [B + 1] hold where each sequence starts (cu[0] == 0, cu[B] == total).
 """
 
+import operator
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -102,7 +103,9 @@ def explain_varlen(
 ) -> dict:
     """What varlen_sdpa() would do with these inputs: the engine, why, the
     guard row involved, the setting, and why each fused engine would not
-    serve ('' where it would). The same decision function as the op's."""
+    serve ('' where it would). The same decision function as the op's; the
+    checks of cu_seqlens' values (and the CPU's refusal of dropout) run in
+    the call itself, so an answer here does not mean the call is valid."""
     (query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
      scale, dropout_p, enable_gqa) = _parsed(
         "explain_varlen", query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -123,8 +126,15 @@ def varlen_settings(reload: bool = False) -> dict:
 
 
 def cu_seqlens_from_lengths(lengths: Sequence[int], device=None) -> Tuple[torch.Tensor, int]:
-    """(cu_seqlens int32 [B + 1], max_seqlen) for these sequence lengths."""
-    lengths = [int(n) for n in lengths]
+    """(cu_seqlens int32 [B + 1], max_seqlen) for these sequence lengths:
+    integers (Python or 0-dim tensors) >= 0 whose total fits int32, else
+    TypeError or ValueError (on CUDA nothing checks the offsets later)."""
+    lengths = [operator.index(n) for n in lengths]  # TypeError for 2.7, True stays 1
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"cu_seqlens_from_lengths: lengths must be >= 0, got {lengths}")
+    if sum(lengths) > torch.iinfo(torch.int32).max:
+        raise ValueError(f"cu_seqlens_from_lengths: the total length {sum(lengths)} does not "
+                         f"fit cu_seqlens' int32")
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     if lengths:
         cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)

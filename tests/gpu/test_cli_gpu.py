@@ -39,7 +39,7 @@ def real_explain(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, mask, c
     if mask != "none":
         m = torch.ones(batch, 1, q_len, kv_len, device="cuda",
                        dtype=torch.bool if mask == "bool" else dt)
-    return openwam_sdpa.explain(q, k, v, m, dropout, causal, None, kv_heads != heads)
+    return openwam_sdpa.explain(q, k, v, m, dropout, causal, enable_gqa=kv_heads != heads)
 
 
 @pytest.mark.parametrize("call", CALLS, ids=lambda c: "-".join(map(str, c)))
