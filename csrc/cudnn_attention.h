@@ -23,9 +23,9 @@ long runtime_cudnn_version();
 // (not CUDA, no cuDNN, GPU older than sm80).
 const char* cudnn_unavailable(const at::Tensor& query);
 
-// nullptr when the cuDNN path can take these inputs through ATen's direct
-// ops, which skip every check F.sdpa's selector makes;
-// else the first reason it cannot. Device and library are not checked here.
+// nullptr when the cuDNN path (the op's own cuDNN graphs, or ATen's direct
+// cuDNN ops where a graph cannot be built; neither makes the checks F.sdpa's
+// selector makes) can take these inputs; else the first reason it cannot. Device and library are not checked here.
 // Everything F.sdpa would reject is rejected here too, so such calls reach
 // PyTorch's own implementation and its errors.
 const char* cudnn_rejects(const SdpaCall& call);

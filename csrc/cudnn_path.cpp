@@ -86,6 +86,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cudnn_sdpa_autograd(
     const at::Tensor& value,
     const std::optional<at::Tensor>& attn_bias, double dropout_p, bool is_causal,
     std::optional<double> scale, bool compute_log_sumexp, int64_t plan) {
+  // No tangent formula: forward-mode AD (torch.func.jvp, forward_ad) raises
+  // as PyTorch's generated kernels do for an op without one (its own cuDNN
+  // attention among them), instead of leaving the output without a tangent.
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !(torch::autograd::isFwGradDefined(query) || torch::autograd::isFwGradDefined(key) ||
+        torch::autograd::isFwGradDefined(value) || torch::autograd::isFwGradDefined(attn_bias)),
+      "Trying to use forward AD with openwam::_cudnn_sdpa that does not support it because "
+      "it has not been implemented yet.");
   const bool needs_grad = torch::autograd::compute_requires_grad(query, key, value);
   TORCH_CHECK(!needs_grad || compute_log_sumexp,
               "openwam::_cudnn_sdpa: a call that needs a gradient must compute "

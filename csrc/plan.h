@@ -17,21 +17,28 @@ namespace openwam {
 
 struct Plan {
   // Frontend: the backward graph runs with cuDNN's padding mask, seq_len_q and
-  // seq_len_kv set to the full lengths. It removes both backward defects at
-  // the source (the key-tail dQ NaN, cudnn-frontend #160; the one-query-row
-  // dK/dV NaN, #1072): the kernel then treats the key rows past s_kv in the
-  // last tile as out of range instead of scoring them 0.
+  // seq_len_kv set to the full lengths. It removes the key-tail dQ NaN at the
+  // source (cudnn-frontend #160): the kernel then treats the key rows past
+  // s_kv in the last tile as out of range instead of scoring them 0. The
+  // one-query-row dK/dV NaN (#1072) it removed in most cells but not all (25
+  // of 360 degenerate cells, H200, cuDNN 9.19.0): pad_query_backward below.
   bool padding_mask = false;
 
-  // ATen fallback, the key-tail defect: the backward runs on K/V zero-padded
-  // to a multiple of 128, the padded keys hidden by -inf.
+  // The key-tail defect on ATen's cuDNN attention (the fallback): the backward
+  // runs on K/V zero-padded to a multiple of 128, the padded keys hidden by
+  // -inf. On the frontend, a backward with a bias takes the same K/V shim
+  // where it adds at most 1/32 of the keys (shim_takes_bias, padding.h), the
+  // padding mask's biased backward being cuDNN's slow corner.
   bool pad_keys_backward = false;
   // ATen fallback, the key-tail defect with dropout: forward and backward on
   // the padded K/V, since the backward must see the key length the forward's
   // dropout pattern was drawn for.
   bool pad_keys_forward = false;
-  // ATen fallback, the one-query-row defect: the backward runs with a second,
-  // zero query row (zero dO, zero output).
+  // The one-query-row defect (batch 1), on both engines: the backward is
+  // computed in fp32 with ATen ops (single_row_backward, reference_attention.h).
+  // With dropout, which only a direct call of the leaf op brings here
+  // (openwam::sdpa keeps dropout with one query row off cuDNN), it runs on
+  // cuDNN with a second, zero query row (zero dO, zero output) instead.
   bool pad_query_backward = false;
 
   bool none() const {

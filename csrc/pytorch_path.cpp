@@ -11,11 +11,13 @@ namespace {
 
 // Keeps PyTorch's selector off cuDNN for one call. PyTorch's backend switches
 // are process-global (torch.nn.attention.sdpa_kernel flips the same flags), so
-// the flip is serialised by a mutex and undone on exit; another thread may see
-// cuDNN switched off for the duration of one call, which costs it speed, never
-// correctness. Where cuDNN was the only backend allowed, PyTorch then raises
-// its own "No available kernel" error, as it would for any backend that
-// cannot serve.
+// the flip is serialised by a mutex between the op's own calls and undone on
+// exit. Another thread's F.sdpa call in that window sees cuDNN switched off:
+// it runs on another backend, or, where cuDNN was the only one it allowed,
+// gets PyTorch's "No available kernel" error. A thread that sets the cuDNN
+// switch in the window (entering or leaving sdpa_kernel) has that change
+// undone on exit. PyTorch's own sdpa_kernel contexts in two threads race the
+// same way: the switches are not per thread.
 class CudnnSwitchedOff {
  public:
   CudnnSwitchedOff() : lock_(mutex()) {

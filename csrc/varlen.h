@@ -25,7 +25,7 @@ namespace openwam {
 enum class VarlenBackend : int64_t {
   kReference = 0,     // exact, per sequence, on the CPU (fp32, float64 for float64)
   kFlash = 1,         // ATen's bundled FlashAttention-2 varlen
-  kCudnnRagged = 2,   // ATen's cuDNN attention with ragged offsets (opt-in)
+  kCudnnRagged = 2,   // the op's own cuDNN graphs on the ragged layout (cudnn_frontend/)
   kBlockDiagonal = 3, // openwam::sdpa with a dense block-diagonal mask
 };
 

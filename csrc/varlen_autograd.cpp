@@ -73,6 +73,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sdpa_varlen_autograd(
     const at::Tensor& value, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
     c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k, double dropout_p, bool is_causal,
     std::optional<double> scale, int64_t backend, bool compute_log_sumexp) {
+  // No tangent formula (as cudnn_path.cpp's leaf op): forward-mode AD raises.
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !(torch::autograd::isFwGradDefined(query) || torch::autograd::isFwGradDefined(key) ||
+        torch::autograd::isFwGradDefined(value)),
+      "Trying to use forward AD with openwam::_sdpa_varlen that does not support it because "
+      "it has not been implemented yet.");
   const bool needs_grad = torch::autograd::compute_requires_grad(query, key, value);
   // A call recorded without grad and replayed with it (an exported program
   // after run_decompositions() bakes in the False its trace saw) still gets

@@ -1,8 +1,9 @@
 // Which engine runs an sdpa_varlen call: one function, called by the op and
 // by explain_varlen(), from the setting OPENWAM_SDPA_VARLEN, the inputs and
-// the stack. It reads no tensor values and compares no symbolic size except
-// max_seqlen_q with 1 (a guard row), so torch.compile records the engine it
-// picked and does not recompile per batch.
+// the stack. It reads no tensor values; the ragged guard rows compare the
+// longest lengths and the batch (guards.cpp: max_seqlen_q == 1, max_seqlen_k
+// % 128 == 64, batch == 1), so under torch.compile a batch crossing one of
+// those bounds recompiles once, and the others reuse the engine recorded.
 #pragma once
 
 #include "guards.h"

@@ -107,6 +107,18 @@ def test_double_backward_raises_as_pytorchs_fused_backwards():
         torch.autograd.grad(dq.square().sum(), k)
 
 
+def test_forward_mode_ad_raises():
+    """No tangent formula: forward AD raises NotImplementedError, as PyTorch's
+    own cuDNN attention does, instead of leaving the output without one."""
+    import torch.autograd.forward_ad as fwAD
+
+    (q, k, v), _, bias, causal = inputs()
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(q.detach(), torch.ones_like(q))
+        with pytest.raises(NotImplementedError, match="forward AD with openwam::_cudnn_sdpa"):
+            FWD(dual, k.detach(), v.detach(), bias, 0.0, causal, None, True, 0)
+
+
 # The K/V shim's backward in slices (csrc/shim_slices.h; the CPU reference
 # slices wherever memory says). 512 queries over 70 keys (128 padded), 2
 # heads, head_dim 8: without a mask a slice of 2 batch elements fits stock's

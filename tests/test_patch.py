@@ -197,6 +197,21 @@ def test_torchscript_compiles_the_patched_function_to_the_op(ow):
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
 
 
+def test_torchscript_compiles_a_direct_call_to_the_op(ow):
+    """Code that calls openwam_sdpa.sdpa itself scripts as code calling F.sdpa
+    does: to openwam::sdpa (its Python body did not script)."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor):
+        return ow.sdpa(q, k, v, attn_mask=m, scale=0.5)
+
+    q, k, v = qkv(B, H, L, S, E)
+    m = make_mask("bool", B, H, L, S)
+    scripted = torch.jit.script(attend)
+    assert "openwam::sdpa" in str(scripted.graph)
+    torch.testing.assert_close(scripted(q, k, v, m), F_SDPA(q, k, v, attn_mask=m, scale=0.5),
+                               atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("masks", ["none", "attn_mask", "key_padding_mask", "causal"])
 def test_multihead_attention_same_patched_and_unpatched(ow, op_calls, masks):
     torch.manual_seed(0)

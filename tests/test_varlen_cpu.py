@@ -171,6 +171,27 @@ def test_block_diagonal_fallback_equals_reference(monkeypatch):
     assert torch.equal(grads2[0][3:], torch.zeros_like(grads2[0][3:]))
 
 
+@pytest.mark.parametrize("fill", [1.0, float("inf")], ids=["sum_overflows_fp16", "inf_query"])
+def test_block_diagonal_without_keys_is_zero_whatever_the_queries(monkeypatch, fill):
+    """No key in the whole batch: zero output and zero gradients. The output
+    was tied to the inputs through their sums times 0, NaN once an fp16 sum
+    overflowed (4096 x 8 x 64 ones) or a query held inf (found in review)."""
+    q = torch.full((4096, 8, 64), fill, dtype=torch.float16, requires_grad=True)
+    k = torch.zeros(0, 8, 64, dtype=torch.float16, requires_grad=True)
+    v = torch.zeros(0, 8, 64, dtype=torch.float16, requires_grad=True)
+    cu_q, cu_k = torch.tensor([0, 4096], dtype=torch.int32), torch.tensor([0, 0], dtype=torch.int32)
+    monkeypatch.setenv("OPENWAM_SDPA_VARLEN", "block_diagonal")
+    openwam_sdpa.varlen_settings(reload=True)
+    try:
+        out = openwam_sdpa.varlen_sdpa(q, k, v, cu_q, cu_k, 4096, 0)
+        dq, = torch.autograd.grad(out.float().sum(), (q,))
+    finally:
+        monkeypatch.delenv("OPENWAM_SDPA_VARLEN")
+        openwam_sdpa.varlen_settings(reload=True)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(dq, torch.zeros_like(dq))
+
+
 def test_explain_and_settings(monkeypatch):
     q, k, v, cu_q, cu_k, max_q, max_k = packed([4, 2])
     e = openwam_sdpa.explain_varlen(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True)
@@ -583,3 +604,15 @@ def test_head_dim_zero_attends_uniformly_as_f_sdpa():
                      for a, b in ((0, 3), (3, 5))])
     assert torch.isfinite(out).all()
     assert_close(out, ref, 1e-12, 1e-12, "out")
+
+
+def test_forward_mode_ad_raises():
+    """No tangent formula: torch.func.jvp raises NotImplementedError, as
+    PyTorch's own fused attention does, instead of a zero tangent."""
+    q, k, v, cu_q, cu_k, max_q, max_k = packed([3, 2], H=2, E=4, requires_grad=False)
+
+    def f(q):
+        return openwam_sdpa.varlen_sdpa(q, k, v, cu_q, cu_k, max_q, max_k)
+
+    with pytest.raises(NotImplementedError, match="forward AD with openwam::_sdpa_varlen"):
+        torch.func.jvp(f, (q,), (torch.ones_like(q),))

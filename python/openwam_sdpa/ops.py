@@ -96,6 +96,10 @@ def sdpa(
 
 
 sdpa.__signature__ = _arguments.SIGNATURE
+# torch.jit.script resolves a call of sdpa by identity, as it does F.sdpa:
+# the op, whose schema is F.sdpa's (its Python body, with **unknown, does not
+# script). patching.py does the same for the patched F.sdpa.
+torch.jit._builtins._register_builtin(sdpa, "openwam::sdpa")
 
 
 # torch.distributed.tensor.experimental.context_parallel (monkey-patch mode)
