@@ -269,6 +269,45 @@ def single_query_row_keeps_batch_whole(mesh):
 
 
 @case
+def low_rank_bias_lines_up_from_the_right(mesh):
+    """A 3-D [H, L, S] or 2-D [L, S] bias (the leaf op right-aligns it) with q
+    sharded on batch or heads: the rule reads the bias's dims from the right.
+    Read from the left, [H, L, S] was split on its heads for a batch-sharded
+    q and [L, S] on its rows, silently wrong (found in review)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    q, k, v, grad_out = _inputs()
+    full = _bias("1hls")
+    for bias in (full[0], full[0, 0]):
+        want = _reference(q, k, v, grad_out, bias)
+        for dim in (0, 1):
+            dq, dk, dv, dgrad = _distributed(mesh, [Shard(dim)] * 4, q, k, v, grad_out,
+                                             leaves=3)
+            dbias = _distributed(mesh, [Replicate()], bias)[0]
+            out, _, _, _ = _forward(dq, dk, dv, dbias)
+            out.backward(dgrad)
+            for got, ref, name in zip((out, dq.grad, dk.grad, dv.grad), (want[0],) + want[2:],
+                                      ("out", "dq", "dk", "dv")):
+                _assert_same(got, ref, f"bias {tuple(bias.shape)}, q Shard({dim}): {name}")
+
+
+@case
+def mask_bias_keeps_the_mask_placement(mesh):
+    """openwam::_mask_bias, which turns the bool mask of a tensor-parallel call
+    into cuDNN's bias on the GPU: sharded along any dim but the keys it
+    grows, or replicated. Without a rule DTensor refused it."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    mask = torch.rand(2, 1, 24, 40, generator=torch.Generator().manual_seed(3)) < 0.8
+    want = torch.ops.openwam._mask_bias(mask, torch.float32, 40, 128)
+    for placement in (Replicate(), Shard(0), Shard(2)):
+        dmask = _distributed(mesh, [placement], mask)[0]
+        got = torch.ops.openwam._mask_bias(dmask, torch.float32, 40, 128)
+        assert got.placements == (placement,), (placement, got.placements)
+        _assert_same(got, want, f"mask {placement}")
+
+
+@case
 def tensor_parallel_attention(mesh):
     """parallelize_module over an attention block whose projections are
     Colwise/Rowwise: the leaf op sees head-sharded q/k/v and the gradients

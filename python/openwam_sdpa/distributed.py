@@ -1,4 +1,5 @@
-"""DTensor sharding rules for the guarded cuDNN path's two leaf ops.
+"""DTensor sharding rules for the guarded cuDNN path's two leaf ops (and the
+op that turns a bool mask into their bias).
 
 openwam::sdpa is CompositeImplicitAutograd, so DTensor's __torch_dispatch__
 never sees it: it sees what the op calls, either PyTorch's own attention ops
@@ -80,7 +81,13 @@ def _bias_placement(attn_bias, dim: int):
 
     if attn_bias is None:
         return None
-    return Replicate() if attn_bias.tensor_meta.shape[dim] == 1 else Shard(dim)
+    # The bias lines up with q from the right (the leaf op takes 2-D and 3-D
+    # ones too): q's dim `dim` is the bias's dim `dim - (4 - rank)`, absent
+    # (broadcast) where that is negative. Counting from the left split an
+    # [H, L, S] bias on its heads for a batch-sharded q: silently wrong.
+    shape = attn_bias.tensor_meta.shape
+    own = dim - (4 - len(shape))
+    return Replicate() if own < 0 or shape[own] == 1 else Shard(own)
 
 
 def _refuse_sequence_sharding(op_name: str, **tensors) -> None:
@@ -142,6 +149,20 @@ def _cudnn_sdpa_backward_rule(grad_out, query, key, value, attn_bias, out, logsu
     return strategies
 
 
+def _mask_bias_rule(mask, dtype, s_kv, s_kv_padded):
+    """openwam::_mask_bias (a bool mask as cuDNN's bias, its keys maybe grown):
+    elementwise along every dim but the keys, which it may grow. openwam::sdpa
+    calls it with the mask of a tensor-parallel call (a bool mask on the cuDNN
+    path); without a rule DTensor refused the call."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    rest = [None] * 3  # dtype, s_kv, s_kv_padded
+    strategies = [([Replicate()], [Replicate()] + rest)]
+    for dim in range(len(mask.tensor_meta.shape) - 1):
+        strategies.append(([Shard(dim)], [Shard(dim)] + rest))
+    return strategies
+
+
 def register_sharding_rules() -> None:
     """Register the DTensor rules of the leaf ops (idempotent). Called for you
     when this module is imported (at `import openwam_sdpa`) and DTensor is
@@ -157,6 +178,7 @@ def register_sharding_rules() -> None:
     backward = torch.ops.openwam._cudnn_sdpa_backward.default
     register_sharding(forward)(_cudnn_sdpa_rule)
     register_sharding(backward)(_cudnn_sdpa_backward_rule)
+    register_sharding(torch.ops.openwam._mask_bias.default)(_mask_bias_rule)
     # register_sharding keys DTensor's cache of sharding decisions on the
     # tensors' specs and the arguments from the first int on (`plan`); the
     # forward's rule also reads compute_log_sumexp, which comes before it.
