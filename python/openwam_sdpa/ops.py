@@ -186,9 +186,11 @@ def settings() -> dict:
 def reload_settings() -> dict:
     """Re-read the OPENWAM_SDPA_* environment variables (after changing
     os.environ), OPENWAM_SDPA_VARLEN included; returns the new settings. A bad
-    value raises here, and every call raises until it is fixed. A graph that
-    torch.compile traced before keeps the settings it was traced with: call
-    torch._dynamo.reset()."""
+    value raises here, and every call raises until it is fixed. Reload between
+    steps, not between a forward and its backward. A graph that torch.compile
+    traced before keeps the route and plan it was traced with (OPENWAM_SDPA_CUDNN,
+    _PAD): call torch._dynamo.reset(); _FRONTEND and _CHECK_FINITE are read as
+    the kernels run."""
     settings = _C.reload_settings()
     torch.ops.openwam._sdpa_varlen_settings(True)
     return settings
