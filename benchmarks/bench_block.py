@@ -228,7 +228,7 @@ def markdown(result):
     s = result["settings"]
     parts = [f"### Block benchmark: {report.stack_title(result['stack'])}", "",
              f"{result['label']}; bf16, every attention call under torch.utils.checkpoint, a step = forward + "
-             f"backward. Paired rounds ({s['rounds']}, the order rotating) of stock F.sdpa, openwam_sdpa.patch() "
+             f"backward. Paired rounds ({s['rounds']}, the order rotating and reversing) of stock F.sdpa, openwam_sdpa.patch() "
              "and stock again (A/A); per round: GPU busy time of one step (kernels, copies and fills, from the "
              "profiler), host time of a step while a spin kernel holds the GPU (median of "
              f"{s['host_steps']} steps), and wall time per step over "

@@ -19,7 +19,7 @@ optimizer. The first step records the non-finite gradient elements (stock sdpa o
 a left-padded batch gives NaN where the stack is affected: its timing still
 counts, and the NaN spreads to every weight) and how long it took (compilation).
 Then peak memory of one step and two sets of paired rounds (timing.paired_rounds, the
-order of the four contenders rotating: ABCD, BCDA, ...):
+order of the four contenders rotating and reversing: ABCD, DCBA, BCDA, ADCB, ...):
   wall   --rounds rounds; in each, every contender runs one untimed step, then
          --wall-steps steps timed one by one, synchronised before and after each
          (timing.synced_steps_ms says why), the collector held off; its figure is
@@ -285,17 +285,17 @@ def targets(configs):
 def method_text(s):
     """How the figures were measured, from the run's settings (an older json: back-to-back wall windows)."""
     if "gpu_rounds" not in s:
-        return (f"Paired rounds ({s['rounds']}, the order rotating) of sdpa, openwam_sdpa, sdpa without cuDNN and "
+        return (f"Paired rounds ({s['rounds']}, the order rotating and reversing) of sdpa, openwam_sdpa, sdpa without cuDNN and "
                 "sdpa again (A/A), from the same initial weights; per round: GPU busy time of one step (kernels, "
                 "copies and fills, from the profiler), host time of one step while a spin kernel holds the GPU, "
                 f"wall time per step over {s['wall_steps']} back-to-back steps.")
     n = s["gpu_rounds"]
-    gpu = (f"Then {n} further paired round{'s' * (n != 1)}, the same rotation: GPU busy time of one step "
+    gpu = (f"Then {n} further paired round{'s' * (n != 1)}, the same order: GPU busy time of one step "
            "(kernels, copies and fills, from the profiler) and host time of one step while a spin kernel holds "
            "the GPU." if n else "GPU and host time not measured (--wall-only).")
     return ("Contenders: sdpa, openwam_sdpa, sdpa without cuDNN and sdpa again (A/A: stock measured twice, its "
             "distance from 1 is the noise floor), from the same initial weights. Wall time: "
-            f"{s['rounds']} paired rounds, the order rotating (ABCD, BCDA, ...); in each round every contender "
+            f"{s['rounds']} paired rounds, the order rotating and reversing (ABCD, DCBA, BCDA, ADCB, ...); in each round every contender "
             f"runs one untimed step, then {s['wall_steps']} steps timed one by one on the host clock, "
             "torch.cuda.synchronize() before and after each, Python's garbage collector held off; its wall figure "
             f"for the round is the median of those {s['wall_steps']} steps. " + gpu)
@@ -364,7 +364,8 @@ def parse_args(argv=None):
     p.add_argument("--compile-paddings", default="left", help="paddings also run compiled")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
     p.add_argument("--rounds", type=int, default=8, help="paired wall-time rounds per configuration (4 contenders: "
-                   "a multiple of 4 puts each in every position equally often)")
+                   "a multiple of 8 puts each in every position, and every pair in both orders, "
+                   "equally often)")
     p.add_argument("--wall-steps", type=int, default=7, help="steps timed one by one per wall-time figure (its median)")
     p.add_argument("--gpu-rounds", type=int, default=3, help="paired rounds of GPU busy time and host time per "
                    "configuration (profiler; 0 skips them)")

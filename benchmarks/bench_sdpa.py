@@ -535,7 +535,7 @@ def intro(section, s):
     """What a section's table holds, from the run's settings."""
     return {
         "paired": f"ordinary random inputs; {s['rounds']} rounds of {s['repeats']} calls per contender, the order "
-                  "rotating; each call enqueued behind a spin kernel, so an event pair holds only its kernels; a "
+                  "rotating and reversing; each call enqueued behind a spin kernel, so an event pair holds only its kernels; a "
                   "cell is the median over rounds of the per-round ratio, [min–max]",
         "adversarial": "`openwam_sdpa.adversarial`: the affected query rows of every (b,h) have every logit near -110, "
                        "so their logsumexp is far below -88.7, the defect's trigger; paired fwd+bwd device time, "

@@ -7,7 +7,7 @@ pack holds --tokens real tokens (4,096, 8,192 and 16,384); 16 query heads x 128 
 4 key/value heads; causal and not. Sections (--sections; all by default):
 
   paired   forward+backward device time in paired rounds (timing.paired_rounds, the order
-           rotating), each contender under its OPENWAM_SDPA_VARLEN setting, plus FlashAttention-2
+           rotating and reversing), each contender under its OPENWAM_SDPA_VARLEN setting, plus FlashAttention-2
            again (the A/A control); ratio: flash's time over cuDNN's (the speed-up).
   memory   peak memory of one forward+backward above the inputs.
   run      --steps fresh lognormal batches of about 8,192 tokens, one forward+backward each,

@@ -28,7 +28,7 @@ token of every sequence has no label, as DataCollatorWithFlattening gives it):
                    what users pick today to avoid cuDNN's NaN
 plus padded-openwam again (the A/A control). A step is forward, backward and a fused AdamW step.
 
-Paired rounds (timing.paired_rounds, the order rotating): in each, every contender runs one
+Paired rounds (timing.paired_rounds, the order rotating and reversing): in each, every contender runs one
 untimed step, then --wall-steps steps timed one by one, synchronised before and after each
 (timing.synced_steps_ms); its figure is their median. Then --gpu-rounds rounds of GPU busy time
 (profiler). Throughput: real (non-padding) tokens per second of wall time. Ratios: median over
@@ -377,7 +377,7 @@ def markdown(result):
              f"= forward + backward + fused AdamW. Sequence lengths lognormal(mu = ln "
              f"{math.exp(d['mu']):.0f}, sigma = {d['sigma']}) clipped to [{d['min_len']}, "
              f"{d['max_len']}]; random: drawn independently; grouped: from a length-sorted pool. "
-             f"Paired rounds ({s['rounds']}, the order rotating), each contender's figure the median "
+             f"Paired rounds ({s['rounds']}, the order rotating and reversing), each contender's figure the median "
              f"of {s['wall_steps']} steps timed one by one (synchronised). tokens/s: real tokens over "
              "the median wall time; ratios: median [min–max] over rounds of varlen's speed-up.", "",
              scenario_table(result["scenarios"]), "",

@@ -4,7 +4,7 @@ bench_varlen_model): the clocks, paired rounds and their statistics.
 The clocks, each for one question:
   * device_ms: every repeat enqueued behind a spin kernel that holds the GPU,
     so each event pair brackets only that call's kernels, not the host's time
-    to launch them; the host time of each call is taken on the way.
+    to launch them (the warm-up's host time sizes the spin).
   * call_host_us: the host time of single calls while a spin holds the GPU
     (no call waits for it), their results kept.
   * once_ms: one call, synchronised before and after (a first call's cost).
@@ -21,8 +21,8 @@ The clocks, each for one question:
 Drift of clocks and temperature over a run moves separate timings minutes
 apart by a few percent (an A/A control read up to 1.04x unpaired), so
 comparisons are paired: paired_rounds() measures every contender once per
-round, the order rotating, and a ratio is the median of the per-round
-ratios. The A/A control (again()) is the baseline measured a second time
+round, the order rotating every second round and reversed every other one
+(paired_order), and a ratio is the median of the per-round ratios. The A/A control (again()) is the baseline measured a second time
 under another name: its distance from 1 is the run's noise floor.
 
 On a machine without CUDA every clock falls back to the host clock, which
@@ -341,17 +341,31 @@ def again(contender):
     return dataclasses.replace(contender, name=f"{contender.name}-again")
 
 
+def paired_order(contenders, r):
+    """The order of round r: rotated by r // 2, and reversed in odd rounds.
+
+    Over each two rounds every pair of contenders runs in both orders, at the
+    same distance, so drift within a round (and what one contender leaves the
+    next) cancels in the median of the per-round ratios. Rotation alone does
+    not: with three contenders the one after the baseline ran after it in two
+    rounds of three, and the A/A control, the other way round, drifted the
+    other way, so it could not show that."""
+    shift = (r // 2) % len(contenders)
+    order = list(contenders[shift:]) + list(contenders[:shift])
+    return order[::-1] if r % 2 else order
+
+
 def paired_rounds(contenders, measure, rounds):
-    """Measure every contender once per round, the order rotating from round to round.
+    """Measure every contender once per round, in paired_order().
 
     contenders: objects with .name and .context() (entered around each of
     its measurements); measure(contender) -> {key: number}. Returns
-    {name: {key: [one number per round]}}.
+    {name: {key: [one number per round]}}. An even number of rounds balances
+    every pair's order.
     """
     runs = {c.name: {} for c in contenders}
     for r in range(rounds):
-        shift = r % len(contenders)
-        for c in contenders[shift:] + contenders[:shift]:
+        for c in paired_order(contenders, r):
             with c.context():
                 for key, value in measure(c).items():
                     runs[c.name].setdefault(key, []).append(value)

@@ -215,8 +215,11 @@ def marked(t):
     return torch.full_like(t, MARK)
 
 
+# The scalar values F.sdpa refuses (the rest of SCALAR_CASES it takes: no
+# message to read there).
 BAD_CALLS = {
-    **{f"{a}-{v}": (lambda a=a, v=v: {a: VALUES[v]()}) for a, v in SCALAR_CASES},
+    **{f"{a}-{v}": (lambda a=a, v=v: {a: VALUES[v]()}) for a, v in SCALAR_CASES
+       if outcome(F_SDPA, q_(), k_(), v_(), **{a: VALUES[v]()})[0] != "ok"},
     "query_list": lambda: {"query": [[1.0]]},
     "mask_list": lambda: {"attn_mask": [[True]]},
     "unknown_keyword": lambda: {"window": 3},
@@ -226,6 +229,7 @@ BAD_CALLS = {
 @pytest.mark.parametrize("case", BAD_CALLS)
 def test_no_message_prints_tensor_data(ow, case):
     entries = {**{n: make(ow) for n, make in PYTHON_ENTRIES.items()}, "explain": ow.explain}
+    refused = []
     for name, fn in entries.items():
         kwargs = {"query": marked(q_()), "key": marked(k_()), "value": marked(v_()),
                   **BAD_CALLS[case]()}
@@ -233,7 +237,10 @@ def test_no_message_prints_tensor_data(ow, case):
             continue  # not F.sdpa's signature: Python's own TypeError
         kind, message = outcome(fn, **kwargs)
         if kind != "ok":
+            refused.append(name)
             assert "7351" not in message and "tensor(" not in message, (name, message)
+    # Only calls F.sdpa refuses are cases here (BAD_CALLS), so some entry refused.
+    assert refused, f"{case}: every entry took the call; it is no bad call"
 
 
 def test_no_message_prints_tensor_data_through_the_op():
@@ -498,18 +505,28 @@ def test_mask_on_another_device_raises(ow, entry, case):
     assert str(info.value) == ("Expected all tensors to be on the same device, but got attn_mask "
                                "is on meta, different from other tensors on cpu (when checking "
                                "argument in method openwam::sdpa)"), str(info.value)
-    # The same call with the mask on the query's device is served.
-    assert ALL_ENTRIES[entry](ow)(*args, mask(), **kwargs) is not None
+    # The same call with the mask on the query's device is served: F.sdpa's
+    # result, or (explain) the route PyTorch's own.
+    served = ALL_ENTRIES[entry](ow)(*args, mask(), **kwargs)
+    if entry == "explain":
+        assert served["route"] == "pytorch", served
+    else:
+        torch.testing.assert_close(served, F_SDPA(*args, attn_mask=mask(), **kwargs),
+                                   atol=0, rtol=0)
 
 
 def test_mask_on_another_device_is_what_f_sdpa_misreads():
     """The premise: F.sdpa's fused CPU kernel takes a meta mask and returns
     without an error (reading memory that holds no mask). On a torch that
     refuses it itself the op's check is only redundant: then this skips."""
-    make, mask = MASK_DEVICE_CASES["4d_bool"]
-    kind, message = outcome(F_SDPA, *make(), mask().to("meta"))
+    args = MASK_DEVICE_CASES["4d_bool"][0]()
+    # Half the keys hidden: the right answer differs from attending to all.
+    mask = torch.arange(S).expand(B, H, L, S) < S // 2
+    kind, got = outcome(F_SDPA, *args, mask.to("meta"))
     if kind != "ok":
-        pytest.skip(f"this torch's F.sdpa refuses the call itself: {message}")
+        pytest.skip(f"this torch's F.sdpa refuses the call itself: {got}")
+    assert not torch.allclose(got, F_SDPA(*args, attn_mask=mask)), \
+        "F.sdpa read the meta mask right: the op's device check would only be redundant"
 
 
 # Masks F.sdpa refuses for their shape keep its error, on any device.

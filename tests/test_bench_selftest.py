@@ -121,3 +121,23 @@ def test_model_benchmark_selftest(tmp_path):
     md, pngs = plot(tmp_path, f"model={tmp_path / 'model.json'}")
     assert len([line for line in md.splitlines() if line.startswith("| ")]) == 1 + len(result["configs"])
     assert pngs == (["model.png"] if has_matplotlib() else [])
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 6])
+def test_paired_order_balances_every_pair(n):
+    """Over every two rounds each pair of contenders runs in both orders at the
+    same distance, and over 2n rounds each contender takes every position
+    equally often: drift within a round cancels in the median of per-round
+    ratios. Rotation alone put the contender after the baseline after it in
+    two rounds of three (found in review)."""
+    timing = load_benchmark("timing.py")
+    names = [chr(ord("A") + i) for i in range(n)]
+    orders = [timing.paired_order(names, r) for r in range(2 * n)]
+    assert all(sorted(o) == names for o in orders)
+    for r in range(0, 2 * n, 2):
+        for a in names:
+            for b in names:
+                gap = [o.index(b) - o.index(a) for o in orders[r:r + 2]]
+                assert gap[0] == -gap[1], (r, a, b, orders[r:r + 2])
+    for name in names:
+        assert sorted(o.index(name) for o in orders) == sorted(list(range(n)) * 2)

@@ -92,12 +92,6 @@ def test_aot_eager_matches_eager(block, mask):
     check_against_eager(block, "aot_eager", mask)
 
 
-def test_aot_eager_with_pad_always(block, settings):
-    """The setting is read while tracing; the padded plan compiles too."""
-    settings(pad="always")
-    check_against_eager(block, "aot_eager", MASKS["bool"])
-
-
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="inductor's CPU codegen needs a C++ compiler")
 def test_inductor_matches_eager(block):

@@ -211,11 +211,17 @@ def test_fully_masked_rows_get_zero_output_and_gradient(plan):
     (q, k, v), _, _, _ = inputs()
     bias = torch.zeros(2, 1, 6, 70)
     bias[:, :, 2] = -math.inf  # query row 2 sees no key
-    out, lse, (dq, dk, dv) = run(q, k, v, bias, False, plan, torch.ones(2, 3, 6, 16))
+    grad_out = torch.ones(2, 3, 6, 16)
+    out, lse, (dq, dk, dv) = run(q, k, v, bias, False, plan, grad_out)
     assert torch.count_nonzero(out[:, :, 2]) == 0
     assert torch.isneginf(lse[:, :, 2]).all()
     assert torch.count_nonzero(dq[:, :, 2]) == 0
     assert all(torch.isfinite(t).all() for t in (out, dq, dk, dv))
+    # Every other value is the float64 reference's (the masked row adds
+    # nothing to dK and dV).
+    ref, _ = reference(q, k, v, grad_out, bias != -math.inf, False, enable_gqa=True)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref):
+        assert_close(got.double(), want, 5e-5, 5e-5, name)
 
 
 def test_logsumexp_is_empty_unless_asked():
