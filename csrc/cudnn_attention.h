@@ -25,7 +25,8 @@ const char* cudnn_unavailable(const at::Tensor& query);
 
 // nullptr when the cuDNN path (the op's own cuDNN graphs, or ATen's direct
 // cuDNN ops where a graph cannot be built; neither makes the checks F.sdpa's
-// selector makes) can take these inputs; else the first reason it cannot. Device and library are not checked here.
+// selector makes) can take these inputs; else the first reason it cannot.
+// Device and library are not checked here.
 // Everything F.sdpa would reject is rejected here too, so such calls reach
 // PyTorch's own implementation and its errors.
 const char* cudnn_rejects(const SdpaCall& call);
