@@ -103,9 +103,13 @@ def cudnn_attention_unusable() -> str | None:
 
 
 @pytest.fixture(autouse=True)
-def _require_cudnn_attention():
+def _require_cudnn_attention(request):
     """Skip (with the reason) where stock cuDNN attention does not run: the
-    suite compares against it and exercises the cuDNN path."""
+    suite compares against it and exercises the cuDNN path. Modules marked
+    own_cuda_kernel test the package's own kernels against ATen, and need
+    only the CUDA device their GPU_MARKS ask for."""
+    if request.node.get_closest_marker("own_cuda_kernel") is not None:
+        return
     reason = cudnn_attention_unusable()
     if reason is not None:
         pytest.skip(reason)

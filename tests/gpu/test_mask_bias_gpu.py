@@ -10,7 +10,7 @@ import openwam_sdpa  # noqa: F401  (registers the ops)
 
 from .conftest import GPU_MARKS
 
-pytestmark = GPU_MARKS
+pytestmark = GPU_MARKS + [pytest.mark.own_cuda_kernel]
 
 OP = torch.ops.openwam._mask_bias.default
 

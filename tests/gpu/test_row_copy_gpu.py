@@ -11,7 +11,7 @@ import torch
 
 from .conftest import GPU_MARKS
 
-pytestmark = GPU_MARKS
+pytestmark = GPU_MARKS + [pytest.mark.own_cuda_kernel]
 
 NEG_INF = -math.inf
 
