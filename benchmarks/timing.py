@@ -22,8 +22,9 @@ Drift of clocks and temperature over a run moves separate timings minutes
 apart by a few percent (an A/A control read up to 1.04x unpaired), so
 comparisons are paired: paired_rounds() measures every contender once per
 round, the order rotating every second round and reversed every other one
-(paired_order), and a ratio is the median of the per-round ratios. The A/A control (again()) is the baseline measured a second time
-under another name: its distance from 1 is the run's noise floor.
+(paired_order), and a ratio is the median of the per-round ratios. The
+A/A control (again()) is the baseline measured a second time under another
+name: its distance from 1 is the run's noise floor.
 
 On a machine without CUDA every clock falls back to the host clock, which
 lets the --selftest runs exercise this code on the CPU.
