@@ -2,6 +2,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
@@ -52,8 +53,9 @@ struct CudnnSdpaBackward final : public Node {
     const at::Tensor seed = philox_seed.unpack(self), offset = philox_offset.unpack(self);
     // A plain backward (no create_graph) records nothing, so the backward op
     // and the ATen calls inside it skip their autograd kernels (a microsecond
-    // or two of host time). With create_graph the call keeps them: PyTorch's
-    // fallback for ops without a derivative then marks the gradients.
+    // or two of host time). With create_graph the call keeps them: the
+    // backward op's Autograd kernel (registered below) then marks the
+    // gradients as not differentiable again.
     std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
     if (!at::GradMode::is_enabled()) {
       below_autograd.emplace();
@@ -84,6 +86,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cudnn_sdpa_autograd(
     const at::Tensor& value,
     const std::optional<at::Tensor>& attn_bias, double dropout_p, bool is_causal,
     std::optional<double> scale, bool compute_log_sumexp, int64_t plan) {
+  // No tangent formula: forward-mode AD (torch.func.jvp, forward_ad) raises
+  // as PyTorch's generated kernels do for an op without one (its own cuDNN
+  // attention among them), instead of leaving the output without a tangent.
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !(torch::autograd::isFwGradDefined(query) || torch::autograd::isFwGradDefined(key) ||
+        torch::autograd::isFwGradDefined(value) || torch::autograd::isFwGradDefined(attn_bias)),
+      "Trying to use forward AD with openwam::_cudnn_sdpa that does not support it because "
+      "it has not been implemented yet.");
   const bool needs_grad = torch::autograd::compute_requires_grad(query, key, value);
   TORCH_CHECK(!needs_grad || compute_log_sumexp,
               "openwam::_cudnn_sdpa: a call that needs a gradient must compute "
@@ -163,4 +173,11 @@ at::Tensor run_cudnn_path(const SdpaCall& call, const Decision& decision) {
 
 TORCH_LIBRARY_IMPL(openwam, Autograd, m) {
   m.impl("_cudnn_sdpa", &openwam::cudnn_sdpa_autograd);
+  // The backward has no derivative of its own. Under create_graph its
+  // gradients get a node that raises "derivative for
+  // openwam::_cudnn_sdpa_backward is not implemented" if differentiated
+  // again, as PyTorch's fused SDPA backwards do. Without a kernel here,
+  // PyTorch's fallback only warned, and a second derivative came out wrong
+  // (the CPU reference's) or zero.
+  m.impl("_cudnn_sdpa_backward", torch::autograd::autogradNotImplementedFallback());
 }

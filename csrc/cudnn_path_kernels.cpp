@@ -441,7 +441,11 @@ Tensors3 frontend_padded_backward(const at::Tensor& grad_out, const at::Tensor& 
                               why_not)) {
     return grads;
   }
-  note_fallback(why_not, Plan{});
+  // The warning names what the fallback carries out: these inputs were
+  // padded for the K/V shim or grown by a query row.
+  Plan padded;
+  (padding_mask ? padded.pad_query_backward : padded.pad_keys_backward) = true;
+  note_fallback(why_not, padded);
   return cudnn_backward(grad_out, q, k, v, out, logsumexp, philox_seed, philox_offset, bias,
                         dropout_p, is_causal, scale);
 }

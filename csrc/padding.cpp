@@ -18,6 +18,9 @@ int64_t padded_length(int64_t length, int64_t multiple) {
               multiple);
   TORCH_CHECK(length >= 0, "openwam::pad_keys: length must be >= 0, got ",
               length);
+  TORCH_CHECK(length <= std::numeric_limits<int64_t>::max() - (multiple - 1),
+              "openwam::pad_keys: multiple must leave the padded length within int64, got ",
+              multiple, " for ", length, " keys");
   return (length + multiple - 1) / multiple * multiple;
 }
 

@@ -2,7 +2,8 @@
 // their implementations:
 //   sdpa                  sdpa_op.cpp (CompositeImplicitAutograd, Autocast)
 //   _cudnn_sdpa           cudnn_path.cpp (Autograd), cudnn_path_kernels.cpp
-//   _cudnn_sdpa_backward  (CUDA, CPU reference, Meta)
+//   _cudnn_sdpa_backward  (CUDA, CPU reference, Meta); cudnn_path.cpp (Autograd:
+//                         not twice differentiable)
 //   pad_keys              padding.cpp
 //   _mask_bias            mask_bias.cpp (CPU, CUDA, Meta)
 //   sdpa_varlen and its leaf ops: varlen.cpp (their schemas and kernels)

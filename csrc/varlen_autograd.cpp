@@ -5,6 +5,7 @@
 // openwam::_cudnn_sdpa.
 #include <ATen/core/grad_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
@@ -72,6 +73,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sdpa_varlen_autograd(
     const at::Tensor& value, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
     c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k, double dropout_p, bool is_causal,
     std::optional<double> scale, int64_t backend, bool compute_log_sumexp) {
+  // No tangent formula (as cudnn_path.cpp's leaf op): forward-mode AD raises.
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !(torch::autograd::isFwGradDefined(query) || torch::autograd::isFwGradDefined(key) ||
+        torch::autograd::isFwGradDefined(value)),
+      "Trying to use forward AD with openwam::_sdpa_varlen that does not support it because "
+      "it has not been implemented yet.");
   const bool needs_grad = torch::autograd::compute_requires_grad(query, key, value);
   // A call recorded without grad and replayed with it (an exported program
   // after run_decompositions() bakes in the False its trace saw) still gets
@@ -115,4 +122,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sdpa_varlen_autograd(
 
 TORCH_LIBRARY_IMPL(openwam, Autograd, m) {
   m.impl("_sdpa_varlen", &openwam::sdpa_varlen_autograd);
+  // Not twice differentiable, and says so as cudnn_path.cpp's backward does.
+  m.impl("_sdpa_varlen_backward", torch::autograd::autogradNotImplementedFallback());
 }

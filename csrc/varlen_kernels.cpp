@@ -112,7 +112,13 @@ Scores sequence_scores(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   Scores r;
   r.key = k;
   r.value = v;
-  at::Tensor s = at::matmul(q, k.transpose(-1, -2)) * scale;
+  at::Tensor s = at::matmul(q, k.transpose(-1, -2));
+  if (q.size(-1) > 0) {
+    // head_dim 0: every score is an empty sum, 0, and the default scale
+    // 1/sqrt(0) would make it NaN; F.sdpa's math backend scales the empty
+    // query instead and attends uniformly. So does this.
+    s = s * scale;
+  }
   if (is_causal) {
     const auto hidden = at::ones({s.size(-2), s.size(-1)}, s.options().dtype(at::kBool)).triu(1);
     s = s.masked_fill(hidden, -std::numeric_limits<double>::infinity());

@@ -92,6 +92,33 @@ def test_every_plan_gives_the_unpadded_attention(case, plan):
         assert_close(a.double(), b, 5e-5, 5e-5, name)
 
 
+def test_double_backward_raises_as_pytorchs_fused_backwards():
+    """The backward op has no derivative. create_graph still gives the first
+    derivatives; differentiating them again raises PyTorch's error for a
+    backward without one (as its fused SDPA backwards do), where before
+    PyTorch's fallback only warned and the second derivative was wrong."""
+    (q, k, v), _, bias, causal = inputs(mask="bool")
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+    out = FWD(q, k, v, bias, 0.0, causal, None, True, KEY_TAIL)[0]
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out, create_graph=True)
+    assert_close(dq, run(q, k, v, bias, causal, KEY_TAIL, grad_out)[2][0], 0, 0, "dq")
+    with pytest.raises(RuntimeError,
+                       match="derivative for openwam::_cudnn_sdpa_backward is not implemented"):
+        torch.autograd.grad(dq.square().sum(), k)
+
+
+def test_forward_mode_ad_raises():
+    """No tangent formula: forward AD raises NotImplementedError, as PyTorch's
+    own cuDNN attention does, instead of leaving the output without one."""
+    import torch.autograd.forward_ad as fwAD
+
+    (q, k, v), _, bias, causal = inputs()
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(q.detach(), torch.ones_like(q))
+        with pytest.raises(NotImplementedError, match="forward AD with openwam::_cudnn_sdpa"):
+            FWD(dual, k.detach(), v.detach(), bias, 0.0, causal, None, True, 0)
+
+
 # The K/V shim's backward in slices (csrc/shim_slices.h; the CPU reference
 # slices wherever memory says). 512 queries over 70 keys (128 padded), 2
 # heads, head_dim 8: without a mask a slice of 2 batch elements fits stock's

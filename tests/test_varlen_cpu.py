@@ -116,6 +116,18 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
+def test_double_backward_raises():
+    """No derivative of the backward: differentiating dQ again raises PyTorch's
+    error for that, where PyTorch's fallback used to warn and return a wrong
+    second derivative (0.13 off F.sdpa's, found in review)."""
+    q, k, v, cu_q, cu_k, max_q, max_k = packed([3, 2], H=2, E=4)
+    out = openwam_sdpa.varlen_sdpa(q, k, v, cu_q, cu_k, max_q, max_k)
+    (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError,
+                       match="derivative for openwam::_sdpa_varlen_backward is not implemented"):
+        torch.autograd.grad(dq.square().sum(), k)
+
+
 def test_only_needed_gradients_and_no_grad():
     q, k, v, cu_q, cu_k, max_q, max_k = packed([4, 2])
     k.requires_grad_(False)
@@ -157,6 +169,27 @@ def test_block_diagonal_fallback_equals_reference(monkeypatch):
     assert torch.equal(out2[3:], torch.zeros_like(out2[3:]))
     assert all(torch.isfinite(g).all() for g in grads2)
     assert torch.equal(grads2[0][3:], torch.zeros_like(grads2[0][3:]))
+
+
+@pytest.mark.parametrize("fill", [1.0, float("inf")], ids=["sum_overflows_fp16", "inf_query"])
+def test_block_diagonal_without_keys_is_zero_whatever_the_queries(monkeypatch, fill):
+    """No key in the whole batch: zero output and zero gradients. The output
+    was tied to the inputs through their sums times 0, NaN once an fp16 sum
+    overflowed (4096 x 8 x 64 ones) or a query held inf (found in review)."""
+    q = torch.full((4096, 8, 64), fill, dtype=torch.float16, requires_grad=True)
+    k = torch.zeros(0, 8, 64, dtype=torch.float16, requires_grad=True)
+    v = torch.zeros(0, 8, 64, dtype=torch.float16, requires_grad=True)
+    cu_q, cu_k = torch.tensor([0, 4096], dtype=torch.int32), torch.tensor([0, 0], dtype=torch.int32)
+    monkeypatch.setenv("OPENWAM_SDPA_VARLEN", "block_diagonal")
+    openwam_sdpa.varlen_settings(reload=True)
+    try:
+        out = openwam_sdpa.varlen_sdpa(q, k, v, cu_q, cu_k, 4096, 0)
+        dq, = torch.autograd.grad(out.float().sum(), (q,))
+    finally:
+        monkeypatch.delenv("OPENWAM_SDPA_VARLEN")
+        openwam_sdpa.varlen_settings(reload=True)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(dq, torch.zeros_like(dq))
 
 
 def test_explain_and_settings(monkeypatch):
@@ -571,3 +604,27 @@ def test_cu_seqlens_from_lengths_refuses_what_int32_offsets_cannot_hold(lengths,
         cu_seqlens_from_lengths(lengths)
     cu, max_len = cu_seqlens_from_lengths([torch.tensor(3), 0, 2])
     assert cu.tolist() == [0, 3, 3, 5] and max_len == 3
+
+
+def test_head_dim_zero_attends_uniformly():
+    """head_dim 0: every score is an empty dot product, 0, so each query
+    attends uniformly: the mean of its sequence's values (torch 2.13's F.sdpa
+    gives that; 2.12's CPU kernel gave zeros). 0 times the default scale
+    1/sqrt(0) gave NaN."""
+    q, k, v, cu_q, cu_k, max_q, max_k = packed([3, 2], E=0, Ev=4, requires_grad=False)
+    out = openwam_sdpa.varlen_sdpa(q, k, v, cu_q, cu_k, max_q, max_k)
+    ref = torch.cat([v[a:b].mean(0, keepdim=True).expand(b - a, -1, -1)
+                     for a, b in ((0, 3), (3, 5))])
+    assert_close(out, ref, 1e-12, 1e-12, "out")
+
+
+def test_forward_mode_ad_raises():
+    """No tangent formula: torch.func.jvp raises NotImplementedError, as
+    PyTorch's own fused attention does, instead of a zero tangent."""
+    q, k, v, cu_q, cu_k, max_q, max_k = packed([3, 2], H=2, E=4, requires_grad=False)
+
+    def f(q):
+        return openwam_sdpa.varlen_sdpa(q, k, v, cu_q, cu_k, max_q, max_k)
+
+    with pytest.raises(NotImplementedError, match="forward AD with openwam::_sdpa_varlen"):
+        torch.func.jvp(f, (q,), (torch.ones_like(q),))
