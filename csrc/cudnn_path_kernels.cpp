@@ -16,6 +16,7 @@
 #include <string>
 
 #include "cudnn_attention.h"
+#include "leaf_inputs.h"
 #include "padding.h"
 #include "plan.h"
 #include "reference_attention.h"
@@ -47,6 +48,7 @@ struct Engine {
                        const at::Tensor& logsumexp, const at::Tensor& philox_seed,
                        const at::Tensor& philox_offset, const at::Tensor& bias,
                        double dropout_p, bool is_causal, std::optional<double> scale);
+  bool cuda;  // cuDNN's kernels: float16 or bfloat16 inputs (leaf_inputs.h)
 };
 
 // K/V zero-padded to a multiple of the cuDNN key tile, with a bias that hides
@@ -301,6 +303,7 @@ Tensors4 forward_with_plan(const at::Tensor& query, const at::Tensor& key,
                            const std::optional<at::Tensor>& attn_bias, double dropout_p,
                            bool is_causal, std::optional<double> scale,
                            bool compute_log_sumexp, int64_t plan_bits) {
+  check_leaf_inputs("openwam::_cudnn_sdpa", {query, key, value, attn_bias}, engine.cuda);
   const Plan plan = Plan::from_int(plan_bits);
   at::Tensor k = key, v = value;
   at::Tensor bias = bias_keys(attn_bias.value_or(at::Tensor()), key.size(2));
@@ -325,6 +328,8 @@ Tensors3 backward_with_plan(const at::Tensor& grad_out, const at::Tensor& query,
                             const at::Tensor& philox_seed, const at::Tensor& philox_offset,
                             double dropout_p, bool is_causal, std::optional<double> scale,
                             int64_t plan_bits) {
+  check_leaf_inputs("openwam::_cudnn_sdpa_backward",
+                    {query, key, value, attn_bias, grad_out, out, logsumexp}, engine.cuda);
   const Plan plan = Plan::from_int(plan_bits);
   // An upstream gradient broadcast along head_dim (out.sum().backward()
   // gives an expanded one) is materialised: the padding reads rows of it.
@@ -398,12 +403,12 @@ Tensors3 reference_engine_backward(const at::Tensor& grad_out, const at::Tensor&
   return reference_backward(grad_out, q, k, v, out, logsumexp, bias, is_causal, scale);
 }
 
-constexpr Engine kReferenceEngine{&reference_engine_forward, &reference_engine_backward};
+constexpr Engine kReferenceEngine{&reference_engine_forward, &reference_engine_backward, false};
 
 // ------------------------------------------------------------ CUDA: cuDNN
 
 #ifdef OPENWAM_WITH_CUDA
-constexpr Engine kAtenEngine{&cudnn_forward, &cudnn_backward};
+constexpr Engine kAtenEngine{&cudnn_forward, &cudnn_backward, true};
 
 #ifdef OPENWAM_WITH_CUDNN_FRONTEND
 // A call whose graph the frontend cannot build runs on ATen's cuDNN attention
@@ -450,13 +455,15 @@ Tensors3 frontend_padded_backward(const at::Tensor& grad_out, const at::Tensor& 
                         dropout_p, is_causal, scale);
 }
 
-constexpr Engine kFrontendPaddedEngine{&cudnn_forward, &frontend_padded_backward<false>};
-constexpr Engine kFrontendGrownQueryEngine{&cudnn_forward, &frontend_padded_backward<true>};
+constexpr Engine kFrontendPaddedEngine{&cudnn_forward, &frontend_padded_backward<false>, true};
+constexpr Engine kFrontendGrownQueryEngine{&cudnn_forward, &frontend_padded_backward<true>,
+                                           true};
 
 Tensors4 frontend_forward(const at::Tensor& query, const at::Tensor& key,
                           const at::Tensor& value, const std::optional<at::Tensor>& attn_bias,
                           double dropout_p, bool is_causal, std::optional<double> scale,
                           bool compute_log_sumexp, int64_t plan_bits) {
+  check_leaf_inputs("openwam::_cudnn_sdpa", {query, key, value, attn_bias}, true);
   const Plan plan = Plan::from_int(plan_bits);
   if (!current_settings().frontend) {
     return forward_with_plan<kAtenEngine>(query, key, value, attn_bias, dropout_p, is_causal,
@@ -488,6 +495,8 @@ Tensors3 frontend_backward(const at::Tensor& grad_out, const at::Tensor& query,
                            const at::Tensor& logsumexp, const at::Tensor& philox_seed,
                            const at::Tensor& philox_offset, double dropout_p, bool is_causal,
                            std::optional<double> scale, int64_t plan_bits) {
+  check_leaf_inputs("openwam::_cudnn_sdpa_backward",
+                    {query, key, value, attn_bias, grad_out, out, logsumexp}, true);
   const Plan plan = Plan::from_int(plan_bits);
   if (!current_settings().frontend) {
     return backward_with_plan<kAtenEngine>(grad_out, query, key, value, attn_bias, out,

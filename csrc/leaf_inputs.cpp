@@ -1,0 +1,36 @@
+#include "leaf_inputs.h"
+
+namespace openwam {
+namespace {
+
+void check_like_query(const char* op, const char* name, const at::Tensor& t,
+                      const at::Tensor& query, at::ScalarType dtype) {
+  if (!t.defined()) {
+    return;
+  }
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ",
+              t.scalar_type());
+  TORCH_CHECK(t.device() == query.device(), op, ": ", name, " must be on query's device (",
+              query.device(), "), got ", t.device());
+}
+
+}  // namespace
+
+void check_leaf_inputs(const char* op, const LeafInputs& in, bool half_only) {
+  TORCH_CHECK(in.query.dim() == 4 && in.key.dim() == 4 && in.value.dim() == 4, op,
+              ": query, key and value must be 4-D [B, H, S, E], got ", in.query.dim(), "-D, ",
+              in.key.dim(), "-D and ", in.value.dim(), "-D");
+  const at::ScalarType dtype = in.query.scalar_type();
+  TORCH_CHECK(!half_only || dtype == at::kHalf || dtype == at::kBFloat16, op,
+              ": the cuDNN kernels take float16 or bfloat16, got query of ", dtype);
+  check_like_query(op, "key", in.key, in.query, dtype);
+  check_like_query(op, "value", in.value, in.query, dtype);
+  if (in.bias.has_value()) {
+    check_like_query(op, "attn_bias (additive, in query's dtype)", *in.bias, in.query, dtype);
+  }
+  check_like_query(op, "grad_out", in.grad_out, in.query, dtype);
+  check_like_query(op, "out", in.out, in.query, dtype);
+  check_like_query(op, "logsumexp", in.logsumexp, in.query, at::kFloat);
+}
+
+}  // namespace openwam
