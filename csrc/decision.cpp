@@ -86,7 +86,9 @@ Decision decide(const SdpaCall& call, const Settings& settings, const Stack& sta
     // correctly aligned"); measured on the H200. PyTorch's math backend
     // decomposes into batched matmuls and is right. Dropout keeps PyTorch's
     // own route (its randomness rules under vmap are the user's contract).
-    if (stack.cuda_device && stack.math_sdp_enabled && call.dropout_p == 0.0) {
+    // Inputs PyTorch rejects keep its route, and its error.
+    if (stack.cuda_device && stack.math_sdp_enabled && call.dropout_p == 0.0 &&
+        passes_pytorch_validation(call)) {
       return routed(Route::kMath,
                     "inputs batched by torch.func.vmap on CUDA: PyTorch's math backend "
                     "(stock's fused backwards are wrong under vmap)");
@@ -102,8 +104,13 @@ Decision decide(const SdpaCall& call, const Settings& settings, const Stack& sta
     // the H200 machine; pytorch #174939): empty CPU calls go to
     // the math backend where it is allowed. Everything else empty is
     // PyTorch's to answer (its fused CUDA kernels refuse empty sequences).
+    // Not grouped-query attention over zero key/value heads: the math
+    // backend's head grouping divides by their count (SIGFPE on torch 2.13,
+    // whose fused CPU kernel answers such a call).
+    const bool gqa_without_kv_heads =
+        call.enable_gqa && call.key.dim() >= 3 && call.key.sym_size(-3) == 0;
     const bool math_serves = call.query.device().is_cpu() && stack.math_sdp_enabled &&
-                             passes_pytorch_validation(call);
+                             !gqa_without_kv_heads && passes_pytorch_validation(call);
     return math_serves
                ? routed(Route::kMath, "an empty CPU input: PyTorch's math backend")
                : routed(Route::kPyTorch, "an input is empty");

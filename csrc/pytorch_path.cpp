@@ -2,8 +2,11 @@
 
 #include <ATen/Context.h>
 #include <ATen/ops/_scaled_dot_product_attention_math.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/where.h>
 
+#include <limits>
 #include <mutex>
 
 namespace openwam {
@@ -38,6 +41,20 @@ class CudnnSwitchedOff {
   bool was_enabled_ = false;
 };
 
+// The mask as PyTorch's entry hands it to its math backend: a bool mask
+// becomes 0 / -inf in the query's dtype (convert_boolean_attn_mask,
+// aten/src/ATen/native/transformers/attention.cpp). The math kernel adds the
+// mask to the scores as it is: a bool mask passed straight in added 1 where
+// it was true and hid nothing (silently wrong under torch.func.vmap on CUDA).
+std::optional<at::Tensor> math_mask(const SdpaCall& c) {
+  if (!c.attn_mask.has_value() || c.attn_mask->scalar_type() != at::kBool) {
+    return c.attn_mask;
+  }
+  const at::Tensor& mask = *c.attn_mask;
+  return at::where(mask.logical_not(), -std::numeric_limits<double>::infinity(),
+                   at::scalar_tensor(0.0, mask.options().dtype(c.query.scalar_type())));
+}
+
 at::Tensor call_pytorch(const SdpaCall& c) {
   return at::scaled_dot_product_attention(c.query, c.key, c.value, c.attn_mask,
                                           c.dropout_p, c.is_causal, c.scale,
@@ -50,7 +67,7 @@ at::Tensor run_pytorch_path(const SdpaCall& call, const Decision& decision) {
   switch (decision.route) {
     case Route::kMath:
       return std::get<0>(at::_scaled_dot_product_attention_math(
-          call.query, call.key, call.value, call.attn_mask, call.dropout_p,
+          call.query, call.key, call.value, math_mask(call), call.dropout_p,
           call.is_causal, /*dropout_mask=*/std::nullopt, call.scale, call.enable_gqa));
     case Route::kPyTorchWithoutCudnn: {
       CudnnSwitchedOff no_cudnn;

@@ -319,6 +319,27 @@ def test_edge_case_empty_batch_with_mask(ow, settings):
     assert out.shape == (0, 2, 3, 4)
 
 
+def test_empty_head_dim_with_bool_mask_as_f_sdpa(ow):
+    """Empty CPU calls run on PyTorch's math backend, which adds a mask to the
+    scores as it is: a bool mask has to become 0 / -inf first, as PyTorch's
+    entry makes it (before, True added 1 and nothing was hidden: 1.38 off)."""
+    q, k = torch.randn(1, 2, 4, 0), torch.randn(1, 2, 5, 0)
+    v = torch.randn(1, 2, 5, 8)
+    mask = torch.tensor([[True, False, True, False, False]]).expand(4, 5)
+    assert_close(ow.sdpa(q, k, v, mask), F_SDPA(q, k, v, mask), 1e-6,
+                 what="output")
+
+
+@pytest.mark.parametrize("q_heads", [0, 2])
+def test_gqa_over_zero_kv_heads_as_f_sdpa(ow, q_heads):
+    """The math backend's head grouping divides by the key/value heads: with
+    none it died of SIGFPE. torch 2.13's F.sdpa answers; so does the op."""
+    q, k = torch.randn(1, q_heads, 4, 8), torch.randn(1, 0, 5, 8)
+    out = ow.sdpa(q, k, k, enable_gqa=True)
+    assert_close(out, F_SDPA(q, k, k, enable_gqa=True), 0.0,
+                 what="output")
+
+
 NONFINITE = {
     "nan_query_row": ("q", (0, 1, 2), float("nan")),
     "inf_query_elem": ("q", (0, 1, 2, 0), float("inf")),

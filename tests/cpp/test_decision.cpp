@@ -200,6 +200,9 @@ TEST_CASE("decide: inputs batched by torch.func.vmap: math on CUDA, else PyTorch
     CHECK(stack.decide(in, s).route == Route::kPyTorch);
     stack.other_sdp_enabled = true;
     stack.math_sdp_enabled = true;
+    Inputs int_mask = in;  // a mask PyTorch rejects: its route, and its error
+    int_mask.attn_mask = at::ones({8, 320}, at::kInt);
+    CHECK(stack.decide(int_mask, s).route == Route::kPyTorchWithoutCudnn);
     in.dropout_p = 0.1;  // dropout keeps PyTorch's own randomness under vmap
     CHECK(stack.decide(in, s).route == Route::kPyTorchWithoutCudnn);
     in.dropout_p = 0.0;
@@ -240,6 +243,20 @@ TEST_CASE("decide: empty CPU inputs go to PyTorch's math backend, whatever the s
       no_math.math_sdp_enabled = false;
       CHECK(no_math.decide(in, s).route == Route::kPyTorch);
     }
+  }
+  // Grouped-query attention over zero key/value heads: the math backend's
+  // head grouping divides by their count (SIGFPE), PyTorch's fused CPU kernel
+  // answers (torch 2.13).
+  for (const std::vector<int64_t>& q_shape :
+       {std::vector<int64_t>{1, 0, 3, 8}, std::vector<int64_t>{1, 2, 3, 8}}) {
+    Inputs gqa;
+    gqa.query = at::randn(q_shape, openwam_test::kBF16);
+    gqa.key = at::randn({1, 0, 5, 8}, openwam_test::kBF16);
+    gqa.value = at::randn({1, 0, 5, 8}, openwam_test::kBF16);
+    PosedStack stack;
+    CHECK(stack.decide(gqa, kFollow).route == Route::kMath);
+    gqa.enable_gqa = true;
+    CHECK(stack.decide(gqa, kFollow).route == Route::kPyTorch);
   }
   // Empty and invalid: PyTorch itself, to raise its own error.
   Inputs bad;
