@@ -1,8 +1,8 @@
 #include "reference_attention.h"
 
-#include <cmath>
 #include <limits>
 
+#include "attention_scale.h"
 #include "cudnn_attention.h"
 
 namespace openwam {
@@ -22,10 +22,6 @@ at::Tensor reduce_heads(const at::Tensor& grad, int64_t kv_heads) {
   sizes[1] = kv_heads;
   sizes.insert(sizes.begin() + 2, groups);
   return grad.reshape(sizes).sum(2);
-}
-
-double scale_or_default(std::optional<double> scale, const at::Tensor& query) {
-  return scale.value_or(1.0 / std::sqrt(static_cast<double>(query.size(-1))));
 }
 
 // The probabilities exp(s - lse) of every (row, key), 0 where hidden, in
@@ -64,7 +60,7 @@ std::tuple<at::Tensor, at::Tensor> reference_forward(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const at::Tensor& bias, bool is_causal, std::optional<double> scale) {
   const Scores r = scores(query, key, value, bias, is_causal,
-                          scale_or_default(scale, query), at::Tensor(), at::kFloat);
+                          softmax_scale(scale, query), at::Tensor(), at::kFloat);
   return {empty_like_cudnn_output(query, value.sym_size(-1)).copy_(at::matmul(r.probs, r.value)),
           r.logsumexp.contiguous()};
 }
@@ -73,7 +69,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reference_backward(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
     const at::Tensor& bias, bool is_causal, std::optional<double> scale) {
-  const double s = scale_or_default(scale, query);
+  const double s = softmax_scale(scale, query);
   const Scores r = scores(query, key, value, bias, is_causal, s, logsumexp, at::kFloat);
   const at::Tensor go = grad_out.to(at::kFloat);
   const at::Tensor delta = (go * out.to(at::kFloat)).sum(-1, /*keepdim=*/true);
@@ -95,7 +91,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> single_row_backward(
   const int64_t batch = query.size(0), heads = query.size(1), kv_heads = key.size(1);
   const int64_t group = heads / kv_heads;
   const int64_t s_kv = key.size(2);
-  const double s = scale_or_default(scale, query);
+  const double s = softmax_scale(scale, query);
   // Head h = kv_head * group + g: [B, H, 1, E] seen as [B, H_kv, group, E].
   const auto grouped = [&](const at::Tensor& t) {
     return t.to(at::kFloat).reshape({batch, kv_heads, group, t.size(-1)});

@@ -4,9 +4,9 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 
 #include <algorithm>
-#include <cmath>
 #include <mutex>
 
+#include "../attention_scale.h"
 #include "graph_cache.h"
 #include "stats.h"
 
@@ -107,8 +107,17 @@ std::shared_ptr<const BuiltGraph> forward_graph(const SdpaGraphKey& fwd, const S
   return graph;
 }
 
+at::Tensor aligned_operand(const at::Tensor& t) {
+  constexpr uintptr_t kAlignment = 16;  // Tensor_attributes::default_alignment
+  if (!t.defined() || reinterpret_cast<uintptr_t>(t.const_data_ptr()) % kAlignment == 0) {
+    return t;
+  }
+  // A fresh block of the caching allocator is aligned far beyond 16 bytes.
+  return at::empty_like(t, at::MemoryFormat::Preserve).copy_(t);
+}
+
 float scale_value(std::optional<double> scale, const at::Tensor& query) {
-  return static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(query.size(-1)))));
+  return static_cast<float>(softmax_scale(scale, query));
 }
 
 std::unordered_map<int64_t, void*> forward_pack(const at::Tensor& query, const at::Tensor& key,

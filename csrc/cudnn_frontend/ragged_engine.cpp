@@ -120,15 +120,17 @@ void bind_offsets(std::unordered_map<int64_t, void*>& pack, const RaggedOffsets&
 
 }  // namespace
 
-bool ragged_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                    const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q,
+bool ragged_forward(const at::Tensor& query_in, const at::Tensor& key_in,
+                    const at::Tensor& value_in, const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q,
                     int64_t max_k, double dropout_p, bool is_causal,
                     std::optional<double> scale, bool training, RaggedForward& result,
                     std::string& why_not) {
-  check_call("openwam::_sdpa_varlen", query, key, value, cu_q, cu_k);
+  check_call("openwam::_sdpa_varlen", query_in, key_in, value_in, cu_q, cu_k);
   // cuDNN's handle, the workspace and the graph build follow the current
   // device: make it the inputs' (a model spread over GPUs calls from another).
-  const c10::cuda::CUDAGuard device(query.device());
+  const c10::cuda::CUDAGuard device(query_in.device());
+  const at::Tensor query = aligned_operand(query_in), key = aligned_operand(key_in),
+                   value = aligned_operand(value_in);
   const RaggedDims d = dims_of(query, key, cu_q, max_q, max_k);
   at::Tensor out = at::empty({query.size(0), query.size(1), value.size(2)}, query.options());
   const SdpaGraphKey fwd = forward_key(query, key, value, out, d, dropout_p, is_causal, training);
@@ -161,24 +163,28 @@ bool ragged_forward(const at::Tensor& query, const at::Tensor& key, const at::Te
   return true;
 }
 
-bool ragged_backward(const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
-                     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
+bool ragged_backward(const at::Tensor& grad_out, const at::Tensor& query_in,
+                     const at::Tensor& key_in, const at::Tensor& value_in, const at::Tensor& out,
+                     const at::Tensor& logsumexp,
                      const at::Tensor& philox_seed, const at::Tensor& philox_offset,
                      const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q,
                      int64_t max_k, double dropout_p, bool is_causal,
                      std::optional<double> scale,
                      std::tuple<at::Tensor, at::Tensor, at::Tensor>& grads,
                      std::string& why_not) {
-  check_call("openwam::_sdpa_varlen_backward", query, key, value, cu_q, cu_k);
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes() &&
+  check_call("openwam::_sdpa_varlen_backward", query_in, key_in, value_in, cu_q, cu_k);
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == query_in.sizes() &&
                   logsumexp.scalar_type() == at::kFloat && logsumexp.is_contiguous() &&
-                  logsumexp.numel() == query.size(0) * query.size(1),
+                  logsumexp.numel() == query_in.size(0) * query_in.size(1),
               "openwam::_sdpa_varlen_backward: the ragged engine's backward takes its forward's "
               "contiguous output and float32 [total_q, heads, 1] logsumexp");
-  const c10::cuda::CUDAGuard device(query.device());  // as in ragged_forward
+  const c10::cuda::CUDAGuard device(query_in.device());  // as in ragged_forward
+  const at::Tensor query = aligned_operand(query_in), key = aligned_operand(key_in),
+                   value = aligned_operand(value_in);
   const RaggedDims d = dims_of(query, key, cu_q, max_q, max_k);
   // cuDNN reads grad_out's rows through the output's offsets.
-  const at::Tensor go = grad_out.is_contiguous() ? grad_out : grad_out.contiguous();
+  const at::Tensor go =
+      aligned_operand(grad_out.is_contiguous() ? grad_out : grad_out.contiguous());
   const SdpaGraphKey fwd = forward_key(query, key, value, out, d, dropout_p, is_causal, true);
   const SdpaGraphKey bwd = backward_key(fwd, query, key, d);
   const auto graph = graph_for(bwd, why_not);

@@ -94,18 +94,25 @@ SdpaGraphKey backward_key(const SdpaGraphKey& fwd, const at::Tensor& q, const at
 
 }  // namespace
 
-bool sdpa_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                  const at::Tensor& bias_in, bool training, double dropout_p, bool is_causal,
+bool sdpa_forward(const at::Tensor& query_in, const at::Tensor& key_in,
+                  const at::Tensor& value_in, const at::Tensor& bias_in, bool training,
+                  double dropout_p, bool is_causal,
                   std::optional<double> scale, bool padding_mask, bool prepare_backward,
                   CudnnForward& result, std::string& why_not) {
   // cuDNN's handle, the workspace and the graph build follow the current
   // device: make it the inputs' (a model spread over GPUs calls from another).
-  const c10::cuda::CUDAGuard device(query.device());
-  const at::Tensor bias = expanded_bias(bias_in, query, key);
+  const c10::cuda::CUDAGuard device(query_in.device());
+  const at::Tensor query = aligned_operand(query_in), key = aligned_operand(key_in),
+                   value = aligned_operand(value_in);
+  const at::Tensor bias = expanded_bias(aligned_operand(bias_in), query, key);
   const at::Tensor out = empty_like_cudnn_output(query, value.sym_size(-1));
   SdpaGraphKey fwd = base_key(query, key, value, bias, dropout_p, is_causal);
   fwd.pass = training ? Pass::kTraining : Pass::kInference;
   fwd.o = layout_of(out);
+  // With dropout the forward runs with the backward's padding mask too, so
+  // that both passes draw the dropout pattern in one configuration: that
+  // cuDNN's pattern does not depend on the padding mask is not measured.
+  fwd.padding_mask = padding_mask && dropout_p > 0.0;
   // A training forward builds the backward graph now too, for a grad_out laid
   // out like the output (autograd's usual case): where either cannot be
   // built, both passes take ATen.
@@ -135,24 +142,35 @@ bool sdpa_forward(const at::Tensor& query, const at::Tensor& key, const at::Tens
     pack[kSeed] = result.philox_seed.data_ptr();
     pack[kOffset] = result.philox_offset.data_ptr();
   }
+  FullLengths lengths;  // outlives run(): a per-call write's storage
+  if (fwd.padding_mask) {
+    lengths = full_lengths(query, query.size(2), key.size(2));
+    pack[kSeqLenQ] = const_cast<int32_t*>(lengths.q);
+    pack[kSeqLenKv] = const_cast<int32_t*>(lengths.kv);
+  }
   run(*graph, pack, fwd);
   return true;
 }
 
-bool sdpa_backward(const at::Tensor& grad_out_in, const at::Tensor& query, const at::Tensor& key,
-                   const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
+bool sdpa_backward(const at::Tensor& grad_out_in, const at::Tensor& query_in,
+                   const at::Tensor& key_in, const at::Tensor& value_in, const at::Tensor& out_in,
+                   const at::Tensor& logsumexp,
                    const at::Tensor& philox_seed, const at::Tensor& philox_offset,
                    const at::Tensor& bias_in, double dropout_p, bool is_causal,
                    std::optional<double> scale, bool padding_mask,
                    std::tuple<at::Tensor, at::Tensor, at::Tensor>& grads, std::string& why_not) {
-  const c10::cuda::CUDAGuard device(query.device());  // as in sdpa_forward
-  const at::Tensor bias = expanded_bias(bias_in, query, key);
+  const c10::cuda::CUDAGuard device(query_in.device());  // as in sdpa_forward
+  // Re-homed as the forward re-homed them (its graph key saw the copies).
+  const at::Tensor query = aligned_operand(query_in), key = aligned_operand(key_in),
+                   value = aligned_operand(value_in), out = aligned_operand(out_in);
+  const at::Tensor bias = expanded_bias(aligned_operand(bias_in), query, key);
   // cuDNN reads rows of grad_out: one broadcast along head_dim (from
   // out.sum().backward()) or otherwise strided is copied into out's layout.
   at::Tensor grad_out = grad_out_in;
   if (grad_out.stride(-1) != 1 || !grad_out.is_non_overlapping_and_dense()) {
     grad_out = at::empty_strided(out.sizes(), out.strides(), out.options()).copy_(grad_out_in);
   }
+  grad_out = aligned_operand(grad_out);
   SdpaGraphKey fwd = base_key(query, key, value, bias, dropout_p, is_causal);
   fwd.o = layout_of(out);
   const SdpaGraphKey prepared = backward_key(fwd, query, key, value, padding_mask);

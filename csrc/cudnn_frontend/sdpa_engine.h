@@ -22,7 +22,10 @@ namespace openwam::frontend {
 // cudnn_bias() gives), or undefined. `training`: write the logsumexp, and,
 // when `prepare_backward`, build the backward graph now too, with the padding
 // mask when `padding_mask`, so that forward and backward agree on the engine
-// (a backward that will run on other shapes has nothing to prepare). Returns
+// (a backward that will run on other shapes has nothing to prepare); with
+// dropout the forward itself runs with the padding mask too. Inputs whose
+// data pointers are not 16-byte aligned run on aligned copies
+// (aligned_operand, graph_runner.h). Returns
 // false, with the reason in `why_not`, when a graph cannot be built for this
 // configuration: the caller runs ATen's cuDNN attention instead.
 bool sdpa_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,

@@ -199,3 +199,87 @@ def test_value_head_dim_of_its_own(ow, suite_results):
         assert nonfinite(x) == 0, name
         err = max_err(x, r) / float(r.abs().max())
         assert err < 0.05, (name, err)
+
+
+def test_misaligned_operands(ow):
+    """Views whose data pointers are not 16-byte aligned (x[..., 4:68] of
+    bf16 rows 72 wide: 8 bytes in) run on aligned copies: cuDNN's engines
+    assume 16-byte operands, and frontend 1.32 refuses to execute on a
+    misaligned pointer. Before, such a call raised INVALID_VARIANT_PACK.
+    Against the float64 reference; a key length at residue 64, so the
+    backward is the padding mask's; a misaligned upstream gradient too."""
+    g = torch.Generator(device="cuda").manual_seed(12)
+
+    def view(b, h, s):
+        wide = torch.randn(b, h, s, 72, device="cuda", dtype=torch.bfloat16, generator=g)
+        return wide[..., 4:68]
+
+    q, k, v, go = view(2, 4, 96), view(2, 4, 320), view(2, 4, 320), view(2, 4, 96)
+    mask = torch.randn(2, 1, 96, 328, device="cuda", dtype=torch.bfloat16,
+                       generator=g)[..., 1:321]  # additive, 2 bytes in, rows 656 bytes apart
+    for t in (q, k, v, go, mask):
+        assert t.data_ptr() % 16 != 0
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    for kw in ({}, {"attn_mask": mask}):
+        ours = run(ow.sdpa, q, k, v, go, **kw)
+        ref = run(torch.nn.functional.scaled_dot_product_attention, q.double(), k.double(),
+                  v.double(), go.double(), **{n: m.double() for n, m in kw.items()})
+        for name in ("out", "dq", "dk", "dv"):
+            x, r = getattr(ours, name), getattr(ref, name)
+            err = max_err(x, r) / float(r.abs().max())
+            assert err < 2e-2, (sorted(kw), name, err)
+
+
+def test_varlen_misaligned_operands(ow):
+    """The ragged engine on packed q, k, v that start 8 bytes into their
+    buffers: aligned copies, each sequence as F.sdpa alone (float64)."""
+    g = torch.Generator(device="cuda").manual_seed(13)
+    lengths = [77, 128, 64]
+    total, cu = sum(lengths), torch.tensor([0, 77, 205, 269], device="cuda", dtype=torch.int32)
+
+    def view():
+        wide = torch.randn(total, 4, 72, device="cuda", dtype=torch.bfloat16, generator=g)
+        return wide[..., 4:68].requires_grad_()
+
+    q, k, v = view(), view(), view()
+    assert q.data_ptr() % 16 != 0
+    info = ow.explain_varlen(q, k, v, cu, cu, max(lengths), max(lengths), is_causal=True)
+    out = ow.varlen_sdpa(q, k, v, cu, cu, max(lengths), max(lengths), is_causal=True)
+    go = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), go)
+    start = 0
+    for n in lengths:
+        rows = slice(start, start + n)
+        start += n
+        qs, ks, vs = (t[rows].detach().double().transpose(0, 1).requires_grad_()
+                      for t in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        rq, rk, rv = torch.autograd.grad(ref, (qs, ks, vs), go[rows].double().transpose(0, 1))
+        for name, x, r in (("out", out[rows], ref), ("dq", dq[rows], rq), ("dk", dk[rows], rk),
+                           ("dv", dv[rows], rv)):
+            err = max_err(x.transpose(0, 1), r) / float(r.abs().max())
+            assert err < 2e-2, (info["backend"], n, name, err)
+
+
+def test_dropout_pattern_shared_by_forward_and_backward(ow):
+    """With value = identity (64 keys, head_dim 64), the output is the dropped
+    probability matrix itself, so the backward's dV must be out^T @ dO
+    exactly when the backward replays the forward's dropout pattern. The key
+    length is at residue 64: the backward runs with the padding mask (and,
+    since this check, the forward too)."""
+    g = torch.Generator(device="cuda").manual_seed(14)
+    b, h, s_q, s_kv = 2, 4, 96, 64
+    q = torch.randn(b, h, s_q, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(b, h, s_kv, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.eye(64, device="cuda", dtype=torch.bfloat16).expand(b, h, 64, 64).contiguous()
+    v.requires_grad_()
+    info = ow.explain(q, k, v.detach().requires_grad_(), dropout_p=0.25)
+    assert info["engine"] == "cudnn_frontend" and info["plan"].startswith("padding_mask"), info
+    go = torch.randn(b, h, s_q, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    out = ow.sdpa(q, k, v, dropout_p=0.25)
+    (dv,) = torch.autograd.grad(out, (v,), go)
+    dropped = (out == 0).float().mean().item()
+    assert 0.15 < dropped < 0.35, dropped  # the pattern is a dropout's
+    want = out.double().transpose(-2, -1) @ go.double()
+    err = max_err(dv, want) / float(want.abs().max())
+    assert err < 2e-2, err
