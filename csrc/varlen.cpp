@@ -25,9 +25,7 @@ bool VarlenCall::differentiated() const {
          (query.requires_grad() || key.requires_grad() || value.requires_grad());
 }
 
-bool VarlenCall::same_lengths() const {
-  const at::Tensor& a = cu_seqlens_q;
-  const at::Tensor& b = cu_seqlens_k;
+bool same_elements(const at::Tensor& a, const at::Tensor& b) {
   if (a.is_same(b)) return true;
   // Two views of the same elements (e.g. a transformers batch's
   // cu_seq_lens_q and cu_seq_lens_k moved to the GPU as one tensor).
@@ -35,6 +33,8 @@ bool VarlenCall::same_lengths() const {
          a.sym_storage_offset() == b.sym_storage_offset() && a.sym_sizes() == b.sym_sizes() &&
          a.sym_strides() == b.sym_strides();
 }
+
+bool VarlenCall::same_lengths() const { return same_elements(cu_seqlens_q, cu_seqlens_k); }
 
 void check_varlen_arguments(const VarlenCall& c) {
   const at::Tensor& q = c.query;

@@ -56,6 +56,10 @@ struct VarlenCall {
   bool same_lengths() const;
 };
 
+// Are `a` and `b` the same elements (one tensor, or equal views of one
+// storage), known without reading them.
+bool same_elements(const at::Tensor& a, const at::Tensor& b);
+
 // The checks every call passes (dtypes, devices, ranks, head counts,
 // cu_seqlens' dtype and shape); raise with the argument, what was expected
 // and what arrived. Reads no tensor values: no host sync on CUDA.

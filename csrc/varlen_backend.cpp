@@ -156,6 +156,14 @@ VarlenDecision decide_varlen(const VarlenCall& call, VarlenPreference preference
   const char* flash_no =
       stack.flash_available ? flash_varlen_rejects(call) : "FlashAttention-2 is not available "
                                                             "(GPU older than sm80 or not built)";
+  if (flash_no == nullptr && stack.flash_backward_limits_head_dim && call.differentiated()) {
+    const auto head_dim = call.query.sym_size(-1);
+    if ((head_dim > 192 && head_dim <= 224) || (head_dim > 224 && call.dropout_p > 0.0)) {
+      // Its forward would run, and its backward raise.
+      flash_no = "FlashAttention-2's backward on this GPU refuses head_dim in (192, 224], and "
+                 "above 224 with dropout";
+    }
+  }
   const char* cudnn_no =
       stack.cudnn_unavailable != nullptr ? stack.cudnn_unavailable : cudnn_ragged_rejects(call);
   VarlenDecision d;
@@ -202,8 +210,11 @@ VarlenDecision decide_varlen(const VarlenCall& call) {
   stack.cuda = call.query.is_cuda();
   if (stack.cuda) {
 #ifdef OPENWAM_WITH_CUDA
-    stack.flash_available =
-        at::cuda::getDeviceProperties(call.query.device().index())->major >= 8;
+    const cudaDeviceProp* props = at::cuda::getDeviceProperties(call.query.device().index());
+    stack.flash_available = props->major >= 8;
+    stack.flash_backward_limits_head_dim = (props->major == 8 && (props->minor == 6 ||
+                                                                  props->minor == 9)) ||
+                                           (props->major == 12 && props->minor <= 1);
 #endif
     stack.cudnn_version = runtime_cudnn_version();
     stack.cudnn_unavailable = cudnn_unavailable(call.query);

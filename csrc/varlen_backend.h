@@ -34,6 +34,10 @@ VarlenPreference reload_varlen_preference();
 struct VarlenStack {
   bool cuda = false;                  // query on a CUDA device
   bool flash_available = false;       // ATen's flash kernels run here (sm80+, built)
+  // sm86, sm89, sm120, sm121: FlashAttention-2's backward refuses head_dim in
+  // (192, 224], and above 224 with dropout (PyTorch's own dispatcher keeps
+  // such training calls off flash: check_requires_grad_and_head_dim_gt192_*).
+  bool flash_backward_limits_head_dim = false;
   long cudnn_version = 0;             // runtime cuDNN; 0: none
   const char* cudnn_unavailable = nullptr;  // why cuDNN cannot run here
 };

@@ -9,10 +9,10 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <limits>
 #include <string>
 
+#include "attention_scale.h"
 #include "varlen.h"
 
 #ifdef OPENWAM_WITH_CUDA
@@ -34,10 +34,6 @@ VarlenBackend backend_of(int64_t bits, const char* op) {
               ": backend must name a leaf engine (0 reference, 1 flash_varlen, "
               "2 cudnn_ragged), got ", bits);
   return static_cast<VarlenBackend>(bits);
-}
-
-double scale_or_default(std::optional<double> scale, const at::Tensor& query) {
-  return scale.value_or(1.0 / std::sqrt(static_cast<double>(query.size(-1))));
 }
 
 // Without dropout there is no rng state: empty int64 tensors, so that the
@@ -140,7 +136,7 @@ Tensors4 reference_forward(const at::Tensor& query, const at::Tensor& key,
                        max_k.guard_int(__FILE__, __LINE__));
   const at::ScalarType type = compute_type(query);
   const int64_t heads = query.size(1);
-  const double s = scale_or_default(scale, query);
+  const double s = softmax_scale(scale, query);
   at::Tensor out = at::zeros({query.size(0), heads, value.size(2)}, query.options());
   at::Tensor lse = at::empty({heads, query.size(0)}, query.options().dtype(type));
   for (const Sequence& q : sequences(cu_q, cu_k)) {
@@ -167,7 +163,7 @@ Tensors3 reference_backward(const at::Tensor& grad_out, const at::Tensor& query,
   const at::ScalarType type = compute_type(query);
   const int64_t heads = query.size(1);
   const int64_t kv_heads = key.size(1);
-  const double s = scale_or_default(scale, query);
+  const double s = softmax_scale(scale, query);
   at::Tensor dq = at::zeros_like(query, at::MemoryFormat::Contiguous);
   at::Tensor dk = at::zeros_like(key, at::MemoryFormat::Contiguous);
   at::Tensor dv = at::zeros_like(value, at::MemoryFormat::Contiguous);
@@ -230,8 +226,7 @@ at::Tensor rows(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguo
 // meet FlashAttention-2 there either.
 void check_flash_stands_in(const at::Tensor& cu_q, const at::Tensor& cu_k, double dropout_p,
                            bool is_causal, const std::string& why_not, const char* graph) {
-  const bool square = cu_q.is_same(cu_k) || cu_q.data_ptr() == cu_k.data_ptr();
-  TORCH_CHECK(dropout_p == 0.0 && (!is_causal || square),
+  TORCH_CHECK(dropout_p == 0.0 && (!is_causal || same_elements(cu_q, cu_k)),
               "openwam::sdpa_varlen: cuDNN could not build its ragged ", graph,
               " for this call (", why_not, "), and FlashAttention-2 varlen cannot stand in ",
               dropout_p > 0.0 ? "with dropout" : "for a causal mask with s_q != s_k",
@@ -261,7 +256,7 @@ Tensors4 cuda_forward(const at::Tensor& query, const at::Tensor& key, const at::
                       std::optional<double> scale, int64_t backend, bool compute_log_sumexp) {
   const VarlenBackend b = backend_of(backend, "openwam::_sdpa_varlen");
   const at::Tensor cu_q = cu_q_in.contiguous();
-  const at::Tensor cu_k = cu_k_in.contiguous();
+  const at::Tensor cu_k = same_elements(cu_q_in, cu_k_in) ? cu_q : cu_k_in.contiguous();
   const int64_t mq = max_q.guard_int(__FILE__, __LINE__);
   const int64_t mk = max_k.guard_int(__FILE__, __LINE__);
   if (b == VarlenBackend::kFlash) {
@@ -307,7 +302,7 @@ Tensors3 cuda_backward(const at::Tensor& grad_out, const at::Tensor& query,
                        int64_t backend) {
   const VarlenBackend b = backend_of(backend, "openwam::_sdpa_varlen_backward");
   const at::Tensor cu_q = cu_q_in.contiguous();
-  const at::Tensor cu_k = cu_k_in.contiguous();
+  const at::Tensor cu_k = same_elements(cu_q_in, cu_k_in) ? cu_q : cu_k_in.contiguous();
   const int64_t mq = max_q.guard_int(__FILE__, __LINE__);
   const int64_t mk = max_k.guard_int(__FILE__, __LINE__);
   // out.sum().backward() hands an upstream gradient broadcast along head_dim.

@@ -121,6 +121,36 @@ TEST_CASE("varlen: an unmeasured cuDNN takes FlashAttention-2, within its limits
         VarlenBackend::kBlockDiagonal);
 }
 
+TEST_CASE("varlen: FlashAttention-2 does not train head_dim 193-224 where its backward refuses",
+          "[varlen]") {
+  VarlenStack sm89 = cuda_stack(true, "cuDNN's ragged layout is measured on Hopper (sm90) only");
+  sm89.flash_backward_limits_head_dim = true;
+  const auto backend = [&](int64_t head_dim, bool grad, double dropout,
+                           const VarlenStack& stack) {
+    Packed p(at::kBFloat16, head_dim);
+    p.is_causal = false;
+    p.dropout_p = dropout;
+    p.q.requires_grad_(grad);
+    return p.decide(VarlenPreference::kAuto, stack).backend;
+  };
+  CHECK(backend(224, true, 0.0, sm89) == VarlenBackend::kBlockDiagonal);
+  CHECK(backend(200, true, 0.0, sm89) == VarlenBackend::kBlockDiagonal);
+  CHECK(backend(256, true, 0.1, sm89) == VarlenBackend::kBlockDiagonal);
+  // What its backward takes, or no backward at all: FlashAttention-2.
+  CHECK(backend(192, true, 0.0, sm89) == VarlenBackend::kFlash);
+  CHECK(backend(256, true, 0.0, sm89) == VarlenBackend::kFlash);
+  CHECK(backend(224, false, 0.0, sm89) == VarlenBackend::kFlash);
+  {
+    at::AutoGradMode no_grad(false);
+    CHECK(backend(224, true, 0.0, sm89) == VarlenBackend::kFlash);
+  }
+  // sm80 and sm90 train every head_dim up to 256.
+  VarlenStack sm80 = sm89;
+  sm80.flash_backward_limits_head_dim = false;
+  CHECK(backend(224, true, 0.0, sm80) == VarlenBackend::kFlash);
+  CHECK(backend(256, true, 0.1, sm80) == VarlenBackend::kFlash);
+}
+
 TEST_CASE("varlen: OPENWAM_SDPA_VARLEN=cudnn overrides the unmeasured ragged row", "[varlen]") {
   const VarlenStack unmeasured = cuda_stack(true, nullptr, openwam::cudnn_version(9, 20, 0));
   const VarlenDecision d = Packed().decide(VarlenPreference::kCudnn, unmeasured);
