@@ -32,12 +32,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reference_backward(
 // and efficient attention in fp16 (H200, cuDNN 9.19.0). The problem is
 // GEMV-sized: the query heads sharing a key/value head become the rows of
 // one product, so grouped-query attention copies nothing and dK/dV sum over
-// the group in the product. No dropout. query [B, H, 1, E]; key/value
+// the group in the product. The row's delta (dO . O) is sum_j P_j dP_j in
+// fp32, not read from the output rounded to the inputs' dtype, so dQ lies
+// within its own final rounding. No dropout. query [B, H, 1, E]; key/value
 // [B, H_kv, S, E|Ev]; logsumexp [B, H, 1, 1] float32; bias broadcastable to
 // [B, H, 1, S] or undefined.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> single_row_backward(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
-    const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
+    const at::Tensor& value, const at::Tensor& logsumexp,
     const at::Tensor& bias, bool is_causal, std::optional<double> scale);
 
 }  // namespace openwam
