@@ -137,14 +137,13 @@ const char* cudnn_rejects(const SdpaCall& call) {
 at::Tensor cudnn_bias(const at::Tensor& mask, at::ScalarType dtype, int64_t input_rank,
                       const c10::SymInt& s_kv, const std::optional<c10::SymInt>& s_kv_padded) {
   at::Tensor bias;
-  if (mask.scalar_type() == at::kBool) {
+  const at::Tensor m = mask.dim() == 0 ? mask.unsqueeze(0) : mask;
+  if (m.scalar_type() == at::kBool) {
     // In one pass (mask_bias.h), the keys grown where asked.
-    const at::Tensor m = mask.dim() == 0 ? mask.unsqueeze(0) : mask;
     bias = mask_bias(m, dtype, s_kv, s_kv_padded.value_or(s_kv));
   } else if (s_kv_padded.has_value()) {
     // The keys grown to s_kv_padded, -inf there; the mask copied into the
     // first s_kv (a mask broadcast along the keys broadcasts into them).
-    const at::Tensor m = mask.dim() == 0 ? mask.unsqueeze(0) : mask;
     std::vector<c10::SymInt> sizes(m.sym_sizes().begin(), m.sym_sizes().end());
     sizes.back() = *s_kv_padded;
     bias = at::full_symint(sizes, -std::numeric_limits<double>::infinity(),

@@ -55,9 +55,8 @@ at::Tensor mask_bias_cuda(const at::Tensor& mask, at::ScalarType dtype, c10::Sym
   if (!kernel_dtype || mask.dim() > 4 || (s_kv_padded * esize) % 16 != 0) {
     return mask_bias_aten(mask, dtype, s_kv_in, s_kv_padded_in);
   }
-  std::vector<int64_t> sizes = mask.sizes().vec();
-  sizes.back() = s_kv_padded;
-  at::Tensor bias = at::empty(sizes, mask.options().dtype(dtype));
+  at::Tensor bias =
+      at::empty_symint(bias_sizes(mask, s_kv_padded_in), mask.options().dtype(dtype));
   MaskRows rows{};
   const int64_t lead = mask.dim() - 1;
   for (int64_t i = 0; i < 3; ++i) {
