@@ -92,6 +92,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> single_row_backward(
   const int64_t group = heads / kv_heads;
   const int64_t s_kv = key.size(2);
   const double s = softmax_scale(scale, query);
+  // fp32 as IEEE fp32 whatever the user's allow_tf32 / fp32_precision: with
+  // TF32, ds and P would be rounded to 10 mantissa bits in the products below,
+  // an error the size of fp16's final rounding added to dQ, dK and dV.
+  // Thread-local, so nothing outside this call sees it.
+  const at::NoTF32Guard ieee_fp32;
   // Head h = kv_head * group + g: [B, H, 1, E] seen as [B, H_kv, group, E].
   const auto grouped = [&](const at::Tensor& t) {
     return t.to(at::kFloat).reshape({batch, kv_heads, group, t.size(-1)});

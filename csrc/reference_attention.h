@@ -34,7 +34,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reference_backward(
 // one product, so grouped-query attention copies nothing and dK/dV sum over
 // the group in the product. The row's delta (dO . O) is sum_j P_j dP_j in
 // fp32, not read from the output rounded to the inputs' dtype, so dQ lies
-// within its own final rounding. No dropout. query [B, H, 1, E]; key/value
+// within its own final rounding. Its products are IEEE fp32 even where the
+// user allows TF32. No dropout. query [B, H, 1, E]; key/value
 // [B, H_kv, S, E|Ev]; logsumexp [B, H, 1, 1] float32; bias broadcastable to
 // [B, H, 1, S] or undefined.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> single_row_backward(

@@ -86,6 +86,27 @@ def test_batch_one_single_query_row(suite_results):
     sweep(SINGLE_ROW, "batch 1, one query row", suite_results)
 
 
+def test_single_query_row_ignores_tf32(ow):
+    """The one-row backward's fp32 products stay IEEE fp32 when the user
+    allows TF32 (a common training setting): the same gradients, bit for
+    bit, as with TF32 off. With TF32 its ds and P would lose 13 mantissa
+    bits in those products."""
+    c = case(B=1, s_q=1, D=128, dtype=torch.float16, s_kv=1123, kv_heads=1, H=8, seed=2100)
+    q, k, v, go, mask, causal = inputs(c)
+    info = openwam_sdpa.explain(q, k, v, enable_gqa=True)
+    assert "pad_query_backward" in info["plan"], info
+    before = torch.backends.cuda.matmul.allow_tf32
+    results = []
+    try:
+        for tf32 in (False, True):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            results.append(run(ow.sdpa, q, k, v, go, enable_gqa=True))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    for name in ("dq", "dk", "dv"):
+        assert torch.equal(getattr(results[0], name), getattr(results[1], name)), name
+
+
 def test_dropout(suite_results):
     sweep(DROPOUT, "dropout 0.125", suite_results)
 
