@@ -116,7 +116,10 @@ Decision decide(const SdpaCall& call, const Settings& settings, const Stack& sta
                : routed(Route::kPyTorch, "an input is empty");
   }
   if (settings.cudnn == CudnnPreference::kNever) {
-    return routed(Route::kPyTorchWithoutCudnn, "OPENWAM_SDPA_CUDNN=0");
+    // Off CUDA there is no cuDNN to switch off: flipping the process-wide
+    // switch (under its mutex) would serialise threaded CPU calls for nothing.
+    return routed(stack.cuda_device ? Route::kPyTorchWithoutCudnn : Route::kPyTorch,
+                  "OPENWAM_SDPA_CUDNN=0");
   }
 
   const char* why_not =

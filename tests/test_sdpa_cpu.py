@@ -397,7 +397,7 @@ def test_explain_defaults_on_cpu(ow):
 
 @pytest.mark.parametrize("cudnn,route,reason", [
     ("1", "pytorch", "inputs are not on a CUDA device"),
-    ("0", "pytorch_without_cudnn", "OPENWAM_SDPA_CUDNN=0"),
+    ("0", "pytorch", "OPENWAM_SDPA_CUDNN=0"),  # no cuDNN to switch off on the CPU
 ])
 def test_explain_cudnn_setting_on_cpu(ow, settings, cudnn, route, reason):
     settings(cudnn=cudnn)

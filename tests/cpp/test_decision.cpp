@@ -624,5 +624,8 @@ TEST_CASE("decide with this process's stack: CPU inputs never take cuDNN",
       CHECK(d.rule == nullptr);
     }
   }
-  CHECK(openwam::decide(in.call(), kNever).route == Route::kPyTorchWithoutCudnn);
+  // No cuDNN to switch off on the CPU (the switch is process-wide, its flip
+  // serialised): PyTorch as it is.
+  CHECK(openwam::decide(in.call(), kNever).route == Route::kPyTorch);
+  CHECK(std::string(openwam::decide(in.call(), kNever).reason) == "OPENWAM_SDPA_CUDNN=0");
 }
