@@ -36,7 +36,9 @@ bool plain_dense(const at::Tensor& t) {
 // The mask right-aligned against [batch..., L, S] of the query.
 bool broadcasts_to_attention(const at::Tensor& mask, const at::Tensor& query,
                              const c10::SymInt& s_kv) {
-  if (mask.dim() < 1 || mask.dim() > query.dim()) {
+  // At least [L, S]: PyTorch's selector raises on a 1-D mask (IndexError),
+  // which OPENWAM_SDPA_CUDNN=1 does not ask.
+  if (mask.dim() < 2 || mask.dim() > query.dim()) {
     return false;
   }
   for (int64_t i = 1; i <= mask.dim(); ++i) {

@@ -77,10 +77,10 @@ TEST_CASE("cudnn_rejects accepts what the cuDNN path takes", "[cudnn_attention]"
     REQUIRE_FALSE(in.query.is_contiguous());
     CHECK(rejects(in) == "<accepted>");
   }
-  SECTION("masks broadcasting to [..., L, S], rank 1 to 4") {
+  SECTION("masks broadcasting to [..., L, S], rank 2 to 4") {
     Inputs in = valid();
     const std::vector<std::vector<int64_t>> shapes = {
-        {320}, {1}, {8, 320}, {1, 320}, {8, 1}, {4, 8, 320}, {1, 1, 320},
+        {8, 320}, {1, 320}, {8, 1}, {4, 8, 320}, {1, 1, 320},
         {2, 4, 8, 320}, {2, 1, 8, 320}, {1, 4, 1, 320}, {2, 1, 1, 320}, {1, 1, 1, 1}};
     for (const auto& shape : shapes) {
       for (auto dtype : {at::kBool, at::kFloat, at::kBFloat16}) {
@@ -97,7 +97,7 @@ TEST_CASE("cudnn_rejects accepts what the cuDNN path takes", "[cudnn_attention]"
     three_d.query = at::randn({6, 8, 64}, kBF16);
     three_d.key = at::randn({6, 320, 64}, kBF16);
     three_d.value = at::randn({6, 320, 64}, kBF16);
-    for (const auto& shape : {std::vector<int64_t>{320}, {8, 320}, {6, 8, 320}, {6, 1, 320}}) {
+    for (const auto& shape : {std::vector<int64_t>{8, 320}, {6, 8, 320}, {6, 1, 320}}) {
       CAPTURE(shape);
       three_d.attn_mask = at::zeros(shape, at::kBool);
       CHECK(rejects(three_d) == "<accepted>");
@@ -351,7 +351,9 @@ TEST_CASE("cudnn_rejects: attn_mask dtype is not bool, float32 or query's",
 TEST_CASE("cudnn_rejects: attn_mask does not broadcast to the scores",
           "[cudnn_attention]") {
   Inputs in = valid();
-  for (const auto& shape : {std::vector<int64_t>{}, {300}, {8, 300}, {7, 320},
+  // {320} and {1} broadcast, but PyTorch's selector raises on a 1-D mask
+  // (OPENWAM_SDPA_CUDNN=1 does not ask it): PyTorch's error, not cuDNN's run.
+  for (const auto& shape : {std::vector<int64_t>{}, {300}, {320}, {1}, {8, 300}, {7, 320},
                             {3, 8, 320}, {2, 3, 8, 320}, {3, 4, 8, 320},
                             {1, 2, 4, 8, 320}}) {
     CAPTURE(shape);
