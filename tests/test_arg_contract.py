@@ -420,6 +420,28 @@ def test_nested_key_value_as_f_sdpa(ow, case):
         assert got[0] == expected[0] and (got[0] == "ok" or got[1] == expected[1]), (got, expected)
 
 
+def jagged_beside_dense_calls():
+    """A jagged (torch.jagged layout) key/value or mask beside a dense query:
+    F.sdpa's nested-tensor handler raises its ValueError for them."""
+    def jagged(*shapes):
+        return torch.nested.nested_tensor([torch.randn(*s) for s in shapes], layout=torch.jagged)
+
+    q, dense = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 5, 8)
+    return {"jagged key and value": (q, jagged((3, 5, 8), (3, 6, 8)), jagged((3, 5, 8), (3, 6, 8))),
+            "jagged key": (q, jagged((3, 5, 8), (3, 6, 8)), dense),
+            "jagged mask": (q, dense, dense, jagged((4, 5), (4, 5)))}
+
+
+@pytest.mark.parametrize("case", ("jagged key and value", "jagged key", "jagged mask"))
+def test_jagged_beside_dense_query_as_f_sdpa(ow, case):
+    """openwam_sdpa.sdpa hands any call with a nested tensor to PyTorch: its
+    error, not the op's decomposition's (NotImplementedError _safe_softmax)."""
+    args = jagged_beside_dense_calls()[case]
+    expected = outcome(F_SDPA, *args)
+    assert expected[0] is ValueError, expected
+    assert outcome(ow.sdpa, *args) == expected
+
+
 PRECEDENCE_CASES = {
     "dtype": lambda: (q_(), k_(dtype=torch.float32), v_(B, H, S - 1, E)),
     "device": lambda: (q_(), k_(), v_(B, H, S - 1, E).to("meta")),

@@ -77,10 +77,12 @@ def sdpa(
             F.scaled_dot_product_attention, (query, key, value, attn_mask),
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    if not isinstance(query, _Tensor) or query.is_nested:
+    if not isinstance(query, _Tensor) or any(
+            isinstance(t, _Tensor) and t.is_nested for t in (query, key, value, attn_mask)):
         # Nested (jagged) tensors have kernels of their own behind PyTorch's
-        # builtin; what is no tensor at all gets its TypeError there (worded
-        # as below).
+        # builtin, and its errors for a nested key, value or mask beside a
+        # dense query; what is no tensor at all gets its TypeError there
+        # (worded as below).
         return _PYTORCH_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     if not (isinstance(key, _Tensor) and isinstance(value, _Tensor)
