@@ -2,6 +2,7 @@
 
 #include <ATen/cudnn/Handle.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 
 #include <algorithm>
 #include <mutex>
@@ -58,7 +59,14 @@ std::shared_ptr<const BuiltGraph> graph_for(const SdpaGraphKey& key, std::string
   // Built outside the lock: a build takes up to a second, and another thread
   // building the same key at the same time only costs a duplicate build.
   Entry e;
-  e.graph = build_graph(key, at::native::getCudnnHandle(), e.why_not);
+  {
+    // A configuration met first inside a CUDA-graph capture (or while another
+    // thread captures in the global mode) builds there: cuDNN's build touches
+    // no capturing stream, so relaxed mode lets its allocations and module
+    // loads through, as in full_lengths.cu and PyTorch's caching allocator.
+    const c10::cuda::CUDAStreamCaptureModeGuard relaxed{cudaStreamCaptureModeRelaxed};
+    e.graph = build_graph(key, at::native::getCudnnHandle(), e.why_not);
+  }
   auto& s = stats();
   if (e.graph == nullptr) {
     s.graph_build_failures++;
