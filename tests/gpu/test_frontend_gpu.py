@@ -12,6 +12,7 @@ per configuration, and what explain() and frontend_stats() say.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import openwam_sdpa
@@ -251,19 +252,32 @@ def test_misaligned_operands(ow):
             assert err < 2e-2, (sorted(kw), name, err)
 
 
-def test_varlen_misaligned_operands(ow):
-    """The ragged engine on packed q, k, v that start 8 bytes into their
-    buffers: aligned copies, each sequence as F.sdpa alone (float64)."""
+def packed_views(layout, total, g):
+    """q, k, v [total, 4, 64] bf16 as a model may hand them to varlen_sdpa."""
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    if layout == "misaligned":  # each starts 8 bytes into its buffer (rows 144 bytes apart)
+        return tuple(randn(total, 4, 72)[..., 4:68] for _ in range(3))
+    if layout == "qkv_packed":  # one projection's output: rows 3 * 4 * 64 apart
+        qkv = randn(total, 3, 4, 64)
+        return qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    # head-major buffers: a head's rows adjacent, heads total * 64 apart
+    return tuple(randn(4, total, 64).transpose(0, 1) for _ in range(3))
+
+
+@pytest.mark.parametrize("layout", ["misaligned", "qkv_packed", "head_major"])
+def test_varlen_strided_and_misaligned_operands(ow, layout):
+    """The ragged engine on packed inputs that are views: misaligned (run on
+    aligned copies), slices of a packed qkv projection and head-major buffers
+    (their strides keyed and offset as they are); each sequence against
+    F.sdpa on it alone in float64."""
     g = torch.Generator(device="cuda").manual_seed(13)
     lengths = [77, 128, 64]
     total, cu = sum(lengths), torch.tensor([0, 77, 205, 269], device="cuda", dtype=torch.int32)
-
-    def view():
-        wide = torch.randn(total, 4, 72, device="cuda", dtype=torch.bfloat16, generator=g)
-        return wide[..., 4:68].requires_grad_()
-
-    q, k, v = view(), view(), view()
-    assert q.data_ptr() % 16 != 0
+    q, k, v = (t.requires_grad_() for t in packed_views(layout, total, g))
+    if layout == "misaligned":
+        assert q.data_ptr() % 16 != 0
     info = ow.explain_varlen(q, k, v, cu, cu, max(lengths), max(lengths), is_causal=True)
     out = ow.varlen_sdpa(q, k, v, cu, cu, max(lengths), max(lengths), is_causal=True)
     go = torch.randn_like(out)
