@@ -1,7 +1,8 @@
-"""openwam_sdpa names its build in torch.compile's cache keys
-(python/openwam_sdpa/_compile_cache.py says why): the tag's value, a user's
-own tag kept, and, end to end on the CPU, a graph cached by this build hit
-again while one cached under another build's tag is missed."""
+"""openwam_sdpa names its build and the settings a traced graph keeps in
+torch.compile's cache keys (python/openwam_sdpa/_compile_cache.py says why):
+the tags' values, a user's own tag kept, and, end to end on the CPU, a graph
+cached by this build hit again while one cached under another build's tag, or
+under other settings, is missed."""
 import hashlib
 import os
 import subprocess
@@ -18,7 +19,31 @@ def test_tag_is_the_extension_files_hash():
     with open(_C.__file__, "rb") as f:
         want = "openwam_sdpa=" + hashlib.sha256(f.read()).hexdigest()[:16]
     assert _compile_cache.build_tag(_C.__file__) == want
-    assert torch.compiler.config.cache_key_tag.split(",")[-1] == want
+    assert torch.compiler.config.cache_key_tag.split(",")[-2] == want
+
+
+def test_settings_tag_follows_each_traced_setting(monkeypatch):
+    default = _compile_cache.settings_tag()
+    assert default.startswith("openwam_sdpa_settings=")
+    seen = {default}
+    for name, value in (("OPENWAM_SDPA_CUDNN", "0"), ("OPENWAM_SDPA_PAD", "always"),
+                        ("OPENWAM_SDPA_VARLEN", "flash")):
+        monkeypatch.setenv(name, value)
+        seen.add(_compile_cache.settings_tag())
+        monkeypatch.delenv(name)
+    assert len(seen) == 4
+    assert _compile_cache.settings_tag() == default
+    monkeypatch.setenv("OPENWAM_SDPA_CHECK_FINITE", "1")  # read as kernels run, not traced
+    assert _compile_cache.settings_tag() == default
+
+
+def test_reload_settings_retags(monkeypatch):
+    build = _compile_cache.build_tag(_C.__file__)
+    monkeypatch.setenv("OPENWAM_SDPA_CUDNN", "0")
+    openwam_sdpa.reload_settings()
+    tags = torch.compiler.config.cache_key_tag.split(",")
+    assert tags[-2:] == [build, _compile_cache.settings_tag()]
+    assert sum(t.startswith("openwam_sdpa") for t in tags) == 2
 
 
 def test_a_users_tag_is_kept_and_ours_replaced_not_repeated():
@@ -28,6 +53,9 @@ def test_a_users_tag_is_kept_and_ours_replaced_not_repeated():
     assert _compile_cache.with_build_tag(f"mine,openwam_sdpa=ffff,theirs", ours) == \
         f"mine,theirs,{ours}"
     assert _compile_cache.with_build_tag(ours, ours) == ours
+    settings = "openwam_sdpa_settings=0123"
+    assert _compile_cache.with_build_tag(f"mine,{ours},openwam_sdpa_settings=ffff", ours,
+                                         settings) == f"mine,{ours},{settings}"
 
 
 def test_the_environments_tag_survives_import():
@@ -35,7 +63,8 @@ def test_the_environments_tag_survives_import():
     out = subprocess.run([sys.executable, "-c", "import torch, openwam_sdpa; "
                           "print(torch.compiler.config.cache_key_tag)"],
                          env=env, capture_output=True, text=True, check=True).stdout.strip()
-    assert out == "mine," + _compile_cache.build_tag(_C.__file__)
+    assert out == ",".join(["mine", _compile_cache.build_tag(_C.__file__),
+                            _compile_cache.settings_tag()])
 
 
 # One process, its own cache directory: compile, reset dynamo, compile again
@@ -63,6 +92,29 @@ SCRIPT = textwrap.dedent("""
     print(first, again, other, counters["aot_autograd"]["autograd_cache_miss"])
 """)
 
+# Compile, reset dynamo, compile again (a hit); then OPENWAM_SDPA_CUDNN=0 and
+# reload_settings(), as the docstring says: a miss, so that no graph traced
+# under the old route runs.
+SETTINGS_SCRIPT = textwrap.dedent("""
+    import os, torch, openwam_sdpa
+    from torch._dynamo.utils import counters
+
+    def f(q, k, v, m):
+        return openwam_sdpa.sdpa(q, k, v, attn_mask=m)
+
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    m = torch.rand(1, 1, 8, 8) > 0.3
+    def compiled_hits():
+        torch._dynamo.reset()
+        before = counters["aot_autograd"]["autograd_cache_hit"]
+        torch.compile(f, backend="inductor")(q, k, v, m)
+        return counters["aot_autograd"]["autograd_cache_hit"] - before
+    first, again = compiled_hits(), compiled_hits()
+    os.environ["OPENWAM_SDPA_CUDNN"] = "0"
+    openwam_sdpa.reload_settings()
+    print(first, again, compiled_hits())
+""")
+
 
 def test_another_builds_cached_graph_is_not_taken(tmp_path):
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
@@ -73,3 +125,13 @@ def test_another_builds_cached_graph_is_not_taken(tmp_path):
     first, again, other, misses = map(int, r.stdout.split()[-4:])
     assert (first, again, other) == (0, 1, 0), r.stdout
     assert misses == 2, r.stdout
+
+
+def test_graphs_cached_under_other_settings_are_not_taken(tmp_path):
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+               TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_AUTOGRAD_CACHE="1")
+    env.pop("OPENWAM_SDPA_CUDNN", None)
+    r = subprocess.run([sys.executable, "-c", SETTINGS_SCRIPT], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert tuple(map(int, r.stdout.split()[-3:])) == (0, 1, 0), r.stdout

@@ -14,13 +14,25 @@ again with an earlier build, failed from the cache with "no attribute
 extension's file hash is added to it: another build misses the cache once and
 compiles afresh. A tag the user set (TORCH_COMPILE_CACHE_KEY_TAG or the
 config) is kept in front of ours.
+
+The route and plan a traced graph holds also come from the settings that
+choose them (OPENWAM_SDPA_CUDNN, _PAD, _VARLEN) and from the cuDNN that runs
+(the guard table's rows are per version). A second tag fingerprints those, set
+at import and again by reload_settings(): without it a warm cache kept serving
+graphs traced under OPENWAM_SDPA_CUDNN=1 after the switch to 0 (review,
+checked on the CPU: an AOTAutograd cache hit after reload_settings() and
+torch._dynamo.reset()).
 """
 
 import hashlib
+import os
 
 import torch
 
 _PREFIX = "openwam_sdpa="
+_SETTINGS_PREFIX = "openwam_sdpa_settings="
+# The settings the decision reads while torch.compile traces.
+_TRACED_SETTINGS = ("OPENWAM_SDPA_CUDNN", "OPENWAM_SDPA_PAD", "OPENWAM_SDPA_VARLEN")
 
 
 def build_tag(extension_path: str) -> str:
@@ -32,12 +44,31 @@ def build_tag(extension_path: str) -> str:
     return _PREFIX + digest.hexdigest()[:16]
 
 
-def with_build_tag(tag: str, ours: str) -> str:
-    """`tag` with any openwam_sdpa entry replaced by `ours` (comma-separated)."""
-    kept = [t for t in tag.split(",") if t and not t.startswith(_PREFIX)]
-    return ",".join(kept + [ours])
+def settings_tag() -> str:
+    """openwam_sdpa_settings=<16 hex digits of the sha256 of the traced settings
+    as the environment holds them, and of the running cuDNN's version>."""
+    values = [f"{name}={os.environ.get(name, '')}" for name in _TRACED_SETTINGS]
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    values.append(f"cudnn={cudnn}")
+    return _SETTINGS_PREFIX + hashlib.sha256("\n".join(values).encode()).hexdigest()[:16]
+
+
+def with_build_tag(tag: str, *ours: str) -> str:
+    """`tag` with its openwam_sdpa entries (build and settings) replaced by
+    `ours` (comma-separated)."""
+    kept = [t for t in tag.split(",")
+            if t and not t.startswith(_PREFIX) and not t.startswith(_SETTINGS_PREFIX)]
+    return ",".join(kept + list(ours))
 
 
 def tag_compile_caches(extension_path: str) -> None:
     config = torch.compiler.config
-    config.cache_key_tag = with_build_tag(config.cache_key_tag, build_tag(extension_path))
+    config.cache_key_tag = with_build_tag(config.cache_key_tag, build_tag(extension_path),
+                                          settings_tag())
+
+
+def retag_settings() -> None:
+    """The settings tag again, after reload_settings(); the build tag stays."""
+    config = torch.compiler.config
+    build = [t for t in config.cache_key_tag.split(",") if t.startswith(_PREFIX)]
+    config.cache_key_tag = with_build_tag(config.cache_key_tag, *build, settings_tag())

@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import _arguments
+from . import _arguments, _compile_cache
 from ._extension import _C
 
 # Bound at import, before patch() can replace it: the inputs the op does not
@@ -191,10 +191,12 @@ def reload_settings() -> dict:
     value raises here, and every call raises until it is fixed. Reload between
     steps, not between a forward and its backward. A graph that torch.compile
     traced before keeps the route and plan it was traced with (OPENWAM_SDPA_CUDNN,
-    _PAD): call torch._dynamo.reset(); _FRONTEND and _CHECK_FINITE are read as
-    the kernels run."""
+    _PAD, _VARLEN): call torch._dynamo.reset() too (torch.compile's on-disk caches
+    key their graphs on these settings, and miss); _FRONTEND and _CHECK_FINITE are
+    read as the kernels run."""
     settings = _C.reload_settings()
     torch.ops.openwam._sdpa_varlen_settings(True)
+    _compile_cache.retag_settings()
     return settings
 
 
