@@ -15,6 +15,7 @@
 #include <set>
 #include <string>
 
+#include "aligned_operand.h"
 #include "cudnn_attention.h"
 #include "leaf_inputs.h"
 #include "padding.h"
@@ -304,6 +305,15 @@ Tensors4 forward_with_plan(const at::Tensor& query, const at::Tensor& key,
                            bool is_causal, std::optional<double> scale,
                            bool compute_log_sumexp, int64_t plan_bits) {
   check_leaf_inputs("openwam::_cudnn_sdpa", {query, key, value, attn_bias}, engine.cuda);
+  if (engine.cuda && !(is_aligned(query) && is_aligned(key) && is_aligned(value) &&
+                       is_aligned(attn_bias))) {
+    // cuDNN takes 16-byte aligned operands (aligned_operand.h): the ATen
+    // fallback as the frontend's engines.
+    return forward_with_plan<engine>(aligned_operand(query), aligned_operand(key),
+                                     aligned_operand(value), aligned_operand(attn_bias),
+                                     dropout_p, is_causal, scale, compute_log_sumexp,
+                                     plan_bits);
+  }
   const Plan plan = Plan::from_int(plan_bits);
   at::Tensor k = key, v = value;
   at::Tensor bias = bias_keys(attn_bias.value_or(at::Tensor()), key.size(2));
@@ -330,6 +340,16 @@ Tensors3 backward_with_plan(const at::Tensor& grad_out, const at::Tensor& query,
                             int64_t plan_bits) {
   check_leaf_inputs("openwam::_cudnn_sdpa_backward",
                     {query, key, value, attn_bias, grad_out, out, logsumexp}, engine.cuda);
+  if (engine.cuda && !(is_aligned(grad_out) && is_aligned(query) && is_aligned(key) &&
+                       is_aligned(value) && is_aligned(attn_bias) && is_aligned(out))) {
+    // As in forward_with_plan; the gradients come back laid out like the
+    // copies, which is how empty_like lays out the inputs' own.
+    return backward_with_plan<engine>(aligned_operand(grad_out), aligned_operand(query),
+                                      aligned_operand(key), aligned_operand(value),
+                                      aligned_operand(attn_bias), aligned_operand(out),
+                                      logsumexp, philox_seed, philox_offset, dropout_p,
+                                      is_causal, scale, plan_bits);
+  }
   const Plan plan = Plan::from_int(plan_bits);
   // An upstream gradient broadcast along head_dim (out.sum().backward()
   // gives an expanded one) is materialised: the padding reads rows of it.

@@ -12,6 +12,7 @@
 #include <limits>
 #include <string>
 
+#include "aligned_operand.h"
 #include "attention_scale.h"
 #include "varlen.h"
 
@@ -214,8 +215,11 @@ Tensors3 cpu_backward(const at::Tensor& grad_out, const at::Tensor& query,
 // ------------------------------------------------------------ CUDA
 
 #ifdef OPENWAM_WITH_CUDA
-// The fused engines read rows with unit stride along head_dim.
-at::Tensor rows(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+// The fused engines read rows with unit stride along head_dim, from a 16-byte
+// aligned start (FlashAttention-2 loads 16-byte vectors; aligned_operand.h).
+at::Tensor rows(const at::Tensor& t) {
+  return t.stride(-1) == 1 ? aligned_operand(t) : t.contiguous();
+}
 
 #ifdef OPENWAM_WITH_CUDNN_FRONTEND
 // Where cuDNN cannot build a ragged graph for a call (a version, a layout),
@@ -306,7 +310,8 @@ Tensors3 cuda_backward(const at::Tensor& grad_out, const at::Tensor& query,
   const int64_t mq = max_q.guard_int(__FILE__, __LINE__);
   const int64_t mk = max_k.guard_int(__FILE__, __LINE__);
   // out.sum().backward() hands an upstream gradient broadcast along head_dim.
-  const at::Tensor go = grad_out.is_contiguous() ? grad_out : grad_out.contiguous();
+  const at::Tensor go =
+      aligned_operand(grad_out.is_contiguous() ? grad_out : grad_out.contiguous());
   if (b == VarlenBackend::kFlash) {
     auto [dq, dk, dv] = at::_flash_attention_backward(
         go, rows(query), rows(key), rows(value), out, logsumexp, cu_q, cu_k, mq, mk, dropout_p,

@@ -104,8 +104,9 @@ std::shared_ptr<const BuiltGraph> forward_graph(const SdpaGraphKey& fwd, const S
   if (graph == nullptr) {
     // The backward of a forward that ran elsewhere runs elsewhere too. Not
     // from an inference forward: its backward key is a training forward's,
-    // which may build.
-    if (prepare_backward) record_failure(bwd, why_not);
+    // which may build. With dropout always: the backward must replay the
+    // pattern the forward's engine drew.
+    if (prepare_backward || fwd.dropout_p > 0.0) record_failure(bwd, why_not);
     return nullptr;
   }
   if (prepare_backward && graph_for(bwd, why_not) == nullptr) {
@@ -113,15 +114,6 @@ std::shared_ptr<const BuiltGraph> forward_graph(const SdpaGraphKey& fwd, const S
     return nullptr;
   }
   return graph;
-}
-
-at::Tensor aligned_operand(const at::Tensor& t) {
-  constexpr uintptr_t kAlignment = 16;  // Tensor_attributes::default_alignment
-  if (!t.defined() || reinterpret_cast<uintptr_t>(t.const_data_ptr()) % kAlignment == 0) {
-    return t;
-  }
-  // A fresh block of the caching allocator is aligned far beyond 16 bytes.
-  return at::empty_like(t, at::MemoryFormat::Preserve).copy_(t);
 }
 
 float scale_value(std::optional<double> scale, const at::Tensor& query) {

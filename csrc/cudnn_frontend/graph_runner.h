@@ -32,16 +32,6 @@ std::shared_ptr<const BuiltGraph> graph_for(const SdpaGraphKey& key, std::string
 std::shared_ptr<const BuiltGraph> forward_graph(const SdpaGraphKey& fwd, const SdpaGraphKey& bwd,
                                                 bool prepare_backward, std::string& why_not);
 
-// `t`, or a copy of it where its data pointer is not 16-byte aligned (a view
-// at an odd element offset, such as x[..., 4:68] of bf16 rows), dense in
-// `t`'s order of strides. cuDNN's attention engines assume
-// 16-byte aligned operands (the frontend's default alignment), and frontend
-// 1.32 refuses to execute on a misaligned pointer (INVALID_VARIANT_PACK), so
-// without the copy such a call raised. The engines take each graph's layouts
-// from the operands after this, so a copy that changes a layout is keyed as
-// such. Undefined and aligned tensors are returned as they are.
-at::Tensor aligned_operand(const at::Tensor& t);
-
 // The attention scale cuDNN takes by value: `scale` or 1/sqrt(head_dim).
 float scale_value(std::optional<double> scale, const at::Tensor& query);
 

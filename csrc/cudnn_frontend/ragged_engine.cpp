@@ -7,6 +7,7 @@
 
 #include "dropout_seed.h"
 #include "graph_key.h"
+#include "../aligned_operand.h"
 #include "graph_runner.h"
 #include "ragged_buckets.h"
 #include "ragged_offsets.h"

@@ -9,44 +9,14 @@
 #include "dropout_seed.h"
 #include "full_lengths.h"
 #include "graph_key.h"
+#include "../aligned_operand.h"
 #include "graph_runner.h"
 #include "sdpa_graphs.h"
 #include "stats.h"
+#include "tensor_layouts.h"
 
 namespace openwam::frontend {
 namespace {
-
-// A dimension of size 1 can have any stride; cuDNN reads its stride anyway,
-// and a stride of 0 (an expanded size-1 dim) is normalised as ATen does, so
-// that equal layouts give equal keys.
-Layout layout_of(const at::Tensor& t) {
-  TORCH_INTERNAL_ASSERT(t.dim() == 4, "cuDNN SDPA graphs take 4-D tensors");
-  Layout l;
-  for (int i = 3; i >= 0; --i) {
-    l.sizes[i] = t.size(i);
-    l.strides[i] = t.stride(i);
-    if (l.sizes[i] == 1) {
-      l.strides[i] = i == 3 ? 1 : l.strides[i + 1] * l.sizes[i + 1];
-    }
-  }
-  return l;
-}
-
-// The strides at::empty_like gives a gradient: the input's where they are
-// dense and non-overlapping, else contiguous.
-Layout gradient_layout(const at::Tensor& t) {
-  if (t.is_non_overlapping_and_dense()) {
-    return layout_of(t);
-  }
-  Layout l;
-  int64_t stride = 1;
-  for (int i = 3; i >= 0; --i) {
-    l.sizes[i] = t.size(i);
-    l.strides[i] = stride;
-    stride *= t.size(i);
-  }
-  return l;
-}
 
 at::Tensor empty_gradient(const at::Tensor& t) {
   const Layout l = gradient_layout(t);

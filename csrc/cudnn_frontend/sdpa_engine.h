@@ -25,7 +25,7 @@ namespace openwam::frontend {
 // (a backward that will run on other shapes has nothing to prepare); with
 // dropout the forward itself runs with the padding mask too. Inputs whose
 // data pointers are not 16-byte aligned run on aligned copies
-// (aligned_operand, graph_runner.h). Returns
+// (csrc/aligned_operand.h). Returns
 // false, with the reason in `why_not`, when a graph cannot be built for this
 // configuration: the caller runs ATen's cuDNN attention instead.
 bool sdpa_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,

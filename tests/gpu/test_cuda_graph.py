@@ -97,3 +97,43 @@ def test_forward_backward_replays_in_cuda_graph(warm_up, ow, settings):
         assert_within_stock(graph_result, eager, ref, torch.bfloat16)
         problem = low_row_problem(graph_result.dq, ref.dq, LOW_ROWS, eager.dq)
         assert problem is None, problem
+
+
+def test_graphs_first_built_inside_a_capture(ow):
+    """A configuration met for the first time inside a capture builds its
+    cuDNN graphs there (in relaxed capture mode: the build allocates and loads
+    modules, which the global mode forbids) and replays as eager computes it.
+    Warmed up on a side stream with another batch size (cuDNN's handles exist
+    then on both threads, as PyTorch's recipe wants), then the graph cache is
+    emptied: only the op's graph builds are new to the capture."""
+    q, k, v, go = _inputs(30, 2)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run(ow.sdpa, *(t.clone().requires_grad_() for t in (q, k, v)), go)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    ow.clear_graph_cache()
+    static_q, static_k, static_v, static_go = (t.clone() for t in _inputs(40, 3))
+    for t in (static_q, static_k, static_v):
+        t.requires_grad_()
+    assert ow.explain(static_q, static_k, static_v)["engine"] == "cudnn_frontend"
+    built = ow.frontend_stats()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = ow.sdpa(static_q, static_k, static_v)
+        static_out.backward(static_go)
+    stats = ow.frontend_stats()
+    assert stats["forward_graphs_built"] > built["forward_graphs_built"]
+    assert stats["backward_graphs_built"] > built["backward_graphs_built"]
+    q, k, v, go = _inputs(50, 3)
+    for dst, src in ((static_q, q), (static_k, k), (static_v, v), (static_go, go)):
+        with torch.no_grad():
+            dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = run(ow.sdpa, *(t.clone().requires_grad_() for t in (q, k, v)), go)
+    assert torch.equal(static_out.detach(), eager.out)
+    ref, _ = reference(q, k, v, go)
+    replayed = type(eager)(static_out.detach(), static_q.grad, static_k.grad, static_v.grad)
+    assert_within_stock(replayed, eager, ref, torch.bfloat16)

@@ -430,3 +430,52 @@ def test_cudnn_ragged_sweep(cell, suite_results):
     assert cudnn, f"no cuDNN row: {status}"
     assert "error" not in cudnn[0], cudnn[0]
     assert sum(cudnn[0][f"nonfinite_{n}"] for n in sweep.Attn._fields) == 0, cudnn[0]
+
+
+def packed_views(layout, total, g):
+    """q, k, v [total, 4, 64] bf16 as a model may hand them to varlen_sdpa."""
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    if layout == "misaligned":  # each starts 8 bytes into its buffer (rows 144 bytes apart)
+        return tuple(randn(total, 4, 72)[..., 4:68] for _ in range(3))
+    if layout == "qkv_packed":  # one projection's output: rows 3 * 4 * 64 apart
+        qkv = randn(total, 3, 4, 64)
+        return qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    # head-major buffers: a head's rows adjacent, heads total * 64 apart
+    return tuple(randn(4, total, 64).transpose(0, 1) for _ in range(3))
+
+
+@pytest.mark.parametrize("layout", ["misaligned", "qkv_packed", "head_major"])
+@pytest.mark.parametrize("engine", ["cudnn", "flash"])
+def test_strided_and_misaligned_operands(engine, layout, engine_setting):
+    """Both fused engines on packed inputs that are views: misaligned (run on
+    aligned copies: frontend 1.32 refused them, FlashAttention-2 loads 16-byte
+    vectors), slices of a packed qkv projection and head-major buffers (the
+    ragged graph keys and offsets their strides as they are); each sequence
+    against F.sdpa on it alone in float64."""
+    engine_setting(engine)
+    ow = openwam_sdpa
+    g = torch.Generator(device="cuda").manual_seed(13)
+    lengths = [77, 128, 64]
+    total, cu = sum(lengths), torch.tensor([0, 77, 205, 269], device="cuda", dtype=torch.int32)
+    q, k, v = (t.detach().requires_grad_() for t in packed_views(layout, total, g))
+    if layout == "misaligned":
+        assert q.data_ptr() % 16 != 0
+    info = ow.explain_varlen(q, k, v, cu, cu, max(lengths), max(lengths), is_causal=True)
+    assert info["backend"] == BACKEND[engine], info
+    out = ow.varlen_sdpa(q, k, v, cu, cu, max(lengths), max(lengths), is_causal=True)
+    go = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), go)
+    start = 0
+    for n in lengths:
+        rows = slice(start, start + n)
+        start += n
+        qs, ks, vs = (t[rows].detach().double().transpose(0, 1).requires_grad_()
+                      for t in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        rq, rk, rv = torch.autograd.grad(ref, (qs, ks, vs), go[rows].double().transpose(0, 1))
+        for name, x, r in (("out", out[rows], ref), ("dq", dq[rows], rq), ("dk", dk[rows], rk),
+                           ("dv", dv[rows], rv)):
+            err = max_err(x.transpose(0, 1), r) / float(r.abs().max())
+            assert err < 2e-2, (info["backend"], n, name, err)
