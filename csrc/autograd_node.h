@@ -5,7 +5,9 @@
 #pragma once
 
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/dynamo/compiled_autograd.h>
 
+#include <functional>
 #include <memory>
 
 namespace openwam {
@@ -30,5 +32,21 @@ struct NodeOwnership<c10::intrusive_ptr<torch::autograd::Node>, N> {
   }
 };
 using Ownership = NodeOwnership<NodePtr, torch::autograd::Node>;
+
+// Compiled autograd (torch._dynamo.compiled_autograd) traces a backward built
+// by an eager forward: it collects each node's saved tensors and constants
+// (compiled_args), then runs the node's apply() with its saved variables
+// swapped for proxies. Both nodes' apply() call only dispatcher ops with
+// Meta kernels, so the trace records the backward op itself. Without these
+// two overrides compiled autograd raised "compiled_args not implemented".
+template <typename... Saved>
+torch::autograd::variable_list apply_with_swapped(
+    const std::function<torch::autograd::variable_list()>& apply,
+    torch::dynamo::autograd::SwapSavedVariables& swap, Saved&... saved) {
+  (swap.before(saved), ...);
+  torch::autograd::variable_list result = apply();
+  (swap.after(saved), ...);
+  return result;
+}
 
 }  // namespace openwam

@@ -71,6 +71,28 @@ struct CudnnSdpaBackward final : public Node {
 
   std::string name() const override { return "openwam::CudnnSdpaBackward"; }
 
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const override {
+    args.collect(query, false);
+    args.collect(key, false);
+    args.collect(value, false);
+    args.collect(bias, false);
+    args.collect(out, true);
+    args.collect(logsumexp, true);
+    args.collect(philox_seed, true);
+    args.collect(philox_offset, true);
+    args.collect(has_bias);
+    args.collect(dropout_p);
+    args.collect(is_causal);
+    args.collect(scale);
+    args.collect(plan);
+  }
+
+  variable_list apply_with_saved(const variable_list& grads,
+                                 torch::dynamo::autograd::SwapSavedVariables& swap) override {
+    return apply_with_swapped([&] { return apply(variable_list(grads)); }, swap, query, key,
+                              value, bias, out, logsumexp, philox_seed, philox_offset);
+  }
+
   void release_variables() override {
     for (SavedVariable* v : {&query, &key, &value, &bias, &out, &logsumexp,
                              &philox_seed, &philox_offset}) {

@@ -60,6 +60,32 @@ struct SdpaVarlenBackward final : public Node {
 
   std::string name() const override { return "openwam::SdpaVarlenBackward"; }
 
+  // Compiled autograd: as CudnnSdpaBackward (autograd_node.h says why).
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const override {
+    args.collect(query, false);
+    args.collect(key, false);
+    args.collect(value, false);
+    args.collect(out, true);
+    args.collect(logsumexp, true);
+    args.collect(rng_state, true);
+    args.collect(rng_offset, true);
+    args.collect(cu_seqlens_q, false);
+    args.collect(cu_seqlens_k, false);
+    args.collect(max_seqlen_q);
+    args.collect(max_seqlen_k);
+    args.collect(dropout_p);
+    args.collect(is_causal);
+    args.collect(scale);
+    args.collect(backend);
+  }
+
+  variable_list apply_with_saved(const variable_list& grads,
+                                 torch::dynamo::autograd::SwapSavedVariables& swap) override {
+    return apply_with_swapped([&] { return apply(variable_list(grads)); }, swap, query, key,
+                              value, out, logsumexp, rng_state, rng_offset, cu_seqlens_q,
+                              cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  }
+
   void release_variables() override {
     for (SavedVariable* v : {&query, &key, &value, &out, &logsumexp, &rng_state, &rng_offset,
                              &cu_seqlens_q, &cu_seqlens_k}) {

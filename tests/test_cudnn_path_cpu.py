@@ -355,6 +355,39 @@ def test_compiled_leaf_ops_match_eager(backend, dynamic):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("op", ["cudnn_path", "varlen"])
+def test_compiled_autograd_over_an_eager_forward(op):
+    """The forward runs eagerly and the backward under compiled autograd
+    (torch._dynamo.compiled_autograd), as when only the loss or the optimizer
+    step is compiled: both autograd nodes give it their saved tensors
+    (compiled_args) and trace their backward op (apply_with_saved). Before,
+    compiled autograd raised "compiled_args not implemented"; stock F.sdpa's
+    node passes. The gradients equal the eager backward's."""
+    torch._dynamo.reset()
+    if op == "cudnn_path":
+        (q, k, v), _, bias, _ = inputs(mask="additive")
+
+        def forward():
+            return FWD(q, k, v, bias, 0.0, False, None, True, KEY_TAIL)[0]
+    else:
+        cu, longest = openwam_sdpa.varlen.cu_seqlens_from_lengths([3, 1, 5])
+        q, k, v = (torch.randn(9, 2, 8, requires_grad=True) for _ in range(3))
+
+        def forward():
+            return openwam_sdpa.varlen_sdpa(q, k, v, cu, cu, longest, longest, is_causal=True)
+    grad_out = torch.randn(forward().shape)
+    forward().backward(grad_out)
+    want = [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    out = forward()
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
+        out.backward(grad_out)
+    for t, expected in zip((q, k, v), want):
+        assert_close(t.grad, expected, 1e-6, 1e-6, "grad")
+    torch._dynamo.reset()
+
+
 # --------------------------------------------------------------------------
 # The frontend's telemetry and graph cache (the op's own cuDNN graphs: CUDA only)
 # --------------------------------------------------------------------------
