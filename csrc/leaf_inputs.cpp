@@ -20,6 +20,12 @@ void check_leaf_inputs(const char* op, const LeafInputs& in, bool half_only) {
   TORCH_CHECK(in.query.dim() == 4 && in.key.dim() == 4 && in.value.dim() == 4, op,
               ": query, key and value must be 4-D [B, H, S, E], got ", in.query.dim(), "-D, ",
               in.key.dim(), "-D and ", in.value.dim(), "-D");
+  const at::Tensor &q = in.query, &k = in.key, &v = in.value;
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && v.size(1) == k.size(1) &&
+                  k.size(1) > 0 && q.size(1) % k.size(1) == 0 && v.size(2) == k.size(2) &&
+                  k.size(3) == q.size(3),
+              op, ": query [B, H, L, E], key [B, H_kv, S, E] and value [B, H_kv, S, Ev] with "
+              "H a multiple of H_kv, got ", q.sizes(), ", ", k.sizes(), " and ", v.sizes());
   const at::ScalarType dtype = in.query.scalar_type();
   TORCH_CHECK(!half_only || dtype == at::kHalf || dtype == at::kBFloat16, op,
               ": the cuDNN kernels take float16 or bfloat16, got query of ", dtype);

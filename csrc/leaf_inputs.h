@@ -25,7 +25,9 @@ struct LeafInputs {
   at::Tensor grad_out = {}, out = {}, logsumexp = {};
 };
 
-// TORCH_CHECKs, naming `op`: q, k and v 4-D; query float16 or bfloat16 where
+// TORCH_CHECKs, naming `op`: q, k and v 4-D of consistent sizes (one batch,
+// query heads a multiple of key/value heads, one key length, one head_dim for
+// query and key); query float16 or bfloat16 where
 // `half_only` (the CUDA kernels; the CPU reference takes any floating dtype);
 // key, value, bias, grad_out and out in query's dtype; logsumexp float32;
 // every tensor on query's device.

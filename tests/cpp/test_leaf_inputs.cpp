@@ -50,6 +50,20 @@ TEST_CASE("check_leaf_inputs: what it refuses", "[leaf_inputs]") {
         "op: logsumexp must be Float, got BFloat16");
   CHECK(error_of_inputs({q.flatten(0, 1), k, k, none}, true) ==
         "op: query, key and value must be 4-D [B, H, S, E], got 3-D, 4-D and 4-D");
+  // Sizes cuDNN would read past: another batch, heads that do not group, a
+  // value shorter than the key, another head_dim for the key.
+  const std::string sizes = "op: query [B, H, L, E], key [B, H_kv, S, E] and value "
+                            "[B, H_kv, S, Ev] with H a multiple of H_kv, got ";
+  const at::Tensor k2 = at::randn({2, 1, 5, 8}, kBf16), k3 = at::randn({1, 3, 5, 8}, kBf16);
+  CHECK(error_of_inputs({q, k2, k2, none}, true) ==
+        sizes + "[1, 2, 3, 8], [2, 1, 5, 8] and [2, 1, 5, 8]");
+  CHECK(error_of_inputs({q, k3, k3, none}, true) ==
+        sizes + "[1, 2, 3, 8], [1, 3, 5, 8] and [1, 3, 5, 8]");
+  CHECK(error_of_inputs({q, k, k.narrow(2, 0, 4), none}, true) ==
+        sizes + "[1, 2, 3, 8], [1, 1, 5, 8] and [1, 1, 4, 8]");
+  CHECK(error_of_inputs({q, k.narrow(3, 0, 4), k, none}, true) ==
+        sizes + "[1, 2, 3, 8], [1, 1, 5, 4] and [1, 1, 5, 8]");
+  CHECK_NOTHROW(openwam::check_leaf_inputs("op", {q, k, k.narrow(3, 0, 4), none}, true));
   // A tensor on another device than the query's: the meta device stands in
   // for a second one on a machine without a GPU.
   CHECK(error_of_inputs({q, k.to(at::kMeta), k, none}, true) ==
