@@ -319,15 +319,21 @@ def test_edge_case_empty_batch_with_mask(ow, settings):
     assert out.shape == (0, 2, 3, 4)
 
 
-def test_empty_head_dim_with_bool_mask_as_f_sdpa(ow):
+def test_empty_head_dim_with_bool_mask_hides_keys(ow):
     """Empty CPU calls run on PyTorch's math backend, which adds a mask to the
     scores as it is: a bool mask has to become 0 / -inf first, as PyTorch's
-    entry makes it (before, True added 1 and nothing was hidden: 1.38 off)."""
+    entry makes it (before, True added 1 and nothing was hidden: 1.38 off).
+    With head_dim 0 every score is equal, so each row is the mean of the
+    values its mask shows: F.sdpa's answer on torch 2.11 and 2.13 (torch
+    2.12's F.sdpa returns zeros for head_dim 0, with or without a mask)."""
     q, k = torch.randn(1, 2, 4, 0), torch.randn(1, 2, 5, 0)
     v = torch.randn(1, 2, 5, 8)
-    mask = torch.tensor([[True, False, True, False, False]]).expand(4, 5)
-    assert_close(ow.sdpa(q, k, v, mask), F_SDPA(q, k, v, mask), 1e-6,
-                 what="output")
+    shown = torch.tensor([True, False, True, False, False])
+    mask = shown.expand(4, 5)
+    want = v[:, :, shown].mean(dim=2, keepdim=True).expand(1, 2, 4, 8)
+    assert_close(ow.sdpa(q, k, v, mask), want, 1e-6, what="output")
+    additive = torch.zeros(4, 5).masked_fill(~mask, float("-inf"))
+    assert_close(ow.sdpa(q, k, v, additive), want, 1e-6, what="output, additive mask")
 
 
 @pytest.mark.parametrize("q_heads", [0, 2])
