@@ -17,8 +17,11 @@ def num(x, spec="{:.3f}"):
     return DASH if x is None else spec.format(x)
 
 
-def spread(r, spec="{:.3f}", lo_hi="{:.2f}"):
-    """An over_rounds() dict as 'median [min–max]'."""
+def spread(r, spec="{:.3f}", lo_hi=None):
+    """An over_rounds() dict as 'median [min–max]', all three at `spec`'s
+    precision unless `lo_hi` says otherwise (with fewer digits for the range,
+    a median of 0.998 printed beside [1.00–1.00])."""
+    lo_hi = spec if lo_hi is None else lo_hi
     if not r:
         return DASH
     return f"{spec.format(r['median'])} [{lo_hi.format(r['min'])}–{lo_hi.format(r['max'])}]"

@@ -14,8 +14,11 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+# Every setting a contender runs under, so that openwam_settings() clears what
+# the shell set (OPENWAM_SDPA_UNPAD too: inherited, it made "padded" runs
+# padding-free in the transformers integration).
 SETTINGS = ("OPENWAM_SDPA_CUDNN", "OPENWAM_SDPA_PAD", "OPENWAM_SDPA_CHECK_FINITE",
-            "OPENWAM_SDPA_FRONTEND", "OPENWAM_SDPA_VARLEN")
+            "OPENWAM_SDPA_FRONTEND", "OPENWAM_SDPA_VARLEN", "OPENWAM_SDPA_UNPAD")
 
 
 def require_device(selftest: bool) -> None:
