@@ -68,9 +68,9 @@ def test_the_environments_tag_survives_import():
 
 
 # One process, its own cache directory: compile, reset dynamo, compile again
-# (a hit from AOTAutograd's cache), then under another build's tag (a miss).
-SCRIPT = textwrap.dedent("""
-    import torch, openwam_sdpa
+# (a hit from AOTAutograd's cache); then each script changes what the key holds.
+PRELUDE = textwrap.dedent("""
+    import os, torch, openwam_sdpa
     from torch._dynamo.utils import counters
     from openwam_sdpa import _compile_cache
 
@@ -85,31 +85,18 @@ SCRIPT = textwrap.dedent("""
         torch.compile(f, backend="inductor")(q, k, v, m)
         return counters["aot_autograd"]["autograd_cache_hit"] - before
     first, again = compiled_hits(), compiled_hits()
+""")
+# Under another build's tag: a miss.
+SCRIPT = PRELUDE + textwrap.dedent("""
     config = torch.compiler.config
     config.cache_key_tag = _compile_cache.with_build_tag(config.cache_key_tag,
                                                          "openwam_sdpa=another-build")
     other = compiled_hits()
     print(first, again, other, counters["aot_autograd"]["autograd_cache_miss"])
 """)
-
-# Compile, reset dynamo, compile again (a hit); then OPENWAM_SDPA_CUDNN=0 and
-# reload_settings(), as the docstring says: a miss, so that no graph traced
-# under the old route runs.
-SETTINGS_SCRIPT = textwrap.dedent("""
-    import os, torch, openwam_sdpa
-    from torch._dynamo.utils import counters
-
-    def f(q, k, v, m):
-        return openwam_sdpa.sdpa(q, k, v, attn_mask=m)
-
-    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
-    m = torch.rand(1, 1, 8, 8) > 0.3
-    def compiled_hits():
-        torch._dynamo.reset()
-        before = counters["aot_autograd"]["autograd_cache_hit"]
-        torch.compile(f, backend="inductor")(q, k, v, m)
-        return counters["aot_autograd"]["autograd_cache_hit"] - before
-    first, again = compiled_hits(), compiled_hits()
+# OPENWAM_SDPA_CUDNN=0 and reload_settings(), as its docstring says: a miss, so
+# that no graph traced under the old route runs.
+SETTINGS_SCRIPT = PRELUDE + textwrap.dedent("""
     os.environ["OPENWAM_SDPA_CUDNN"] = "0"
     openwam_sdpa.reload_settings()
     print(first, again, compiled_hits())
