@@ -127,7 +127,9 @@ def contenders_for(models):
 
 def gpu_figures(step, spin_ms):
     """gpu_ms: GPU busy time of one step; host_ms: host time of one step while a spin of spin_ms
-    holds the GPU (covered: the spin still ran when the step returned)."""
+    holds the GPU (covered: the spin still ran when the step returned). One untimed step first,
+    after the previous contender's."""
+    step()
     host, covered = timing.host_ms(step, spin_ms)
     return {"host_ms": host, "covered": covered, "gpu_ms": timing.busy_ms(step)}
 

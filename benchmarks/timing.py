@@ -247,7 +247,9 @@ def step_figures(step, wall_steps, host_steps=1):
     """The figures of a training step: wall_ms (mean of wall_steps back-to-back steps), host_ms
     (the median over host_steps steps, each with the GPU held by a spin longer than a whole
     step; one step's host time can swing by 20% from the next) with its covered flag (all
-    of them covered), and gpu_ms (busy_ms of one step)."""
+    of them covered), and gpu_ms (busy_ms of one step). One untimed step first: the round's
+    first step after another contender's is not timed (the warm-up the docs promise)."""
+    step()
     wall = wall_ms(step, wall_steps)
     held = [host_ms(step, spin_ms=max(SPIN_MIN_MS, 1.5 * wall)) for _ in range(host_steps)]
     covered = [c for _, c in held]
