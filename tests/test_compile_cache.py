@@ -37,6 +37,17 @@ def test_settings_tag_follows_each_traced_setting(monkeypatch):
     assert _compile_cache.settings_tag() == default
 
 
+def test_settings_tag_survives_torchs_cudnn_check(monkeypatch):
+    """torch.backends.cudnn.version() raises RuntimeError where torch finds its
+    cuDNN incompatible: the tag notes it instead of failing the import."""
+    def refuse():
+        raise RuntimeError("cuDNN version incompatibility")
+
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", refuse)
+    assert _compile_cache.settings_tag().startswith("openwam_sdpa_settings=")
+
+
 def test_reload_settings_retags(monkeypatch):
     build = _compile_cache.build_tag(_C.__file__)
     monkeypatch.setenv("OPENWAM_SDPA_CUDNN", "0")

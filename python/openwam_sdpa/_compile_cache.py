@@ -48,7 +48,10 @@ def settings_tag() -> str:
     """openwam_sdpa_settings=<16 hex digits of the sha256 of the traced settings
     as the environment holds them, and of the running cuDNN's version>."""
     values = [f"{name}={os.environ.get(name, '')}" for name in _TRACED_SETTINGS]
-    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    try:  # cuDNN is loaded with the extension: a query, no load
+        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    except RuntimeError as e:  # torch's own check of its cuDNN: not this import's to fail
+        cudnn = f"unavailable ({e})"
     values.append(f"cudnn={cudnn}")
     return _SETTINGS_PREFIX + hashlib.sha256("\n".join(values).encode()).hexdigest()[:16]
 
