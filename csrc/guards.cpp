@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <array>
+#include <limits>
 #include <mutex>
 
 #include "cudnn_attention.h"
@@ -13,7 +14,9 @@ namespace {
 constexpr long k9_19_0 = cudnn_version(9, 19, 0);
 constexpr long k9_25_1 = cudnn_version(9, 25, 1);
 constexpr long k9_26_0 = cudnn_version(9, 26, 0);
-constexpr long kAfterNewest = kNewestKnownCudnn + 1;
+// A row of a defect with no known fix runs on past the newest known version:
+// nothing says a later cuDNN fixed it (conservative where unmeasured).
+constexpr long kNoFixKnown = std::numeric_limits<long>::max();
 
 // The key-tail sweep on the H200 covered cuDNN 9.19.0 at head_dim 64 and 128.
 bool key_tail_measured_stack(long version, const c10::SymInt& head_dim) {
@@ -61,11 +64,11 @@ constexpr const char* kRaggedSource =
 const std::vector<GuardRule>& table() {
   static const std::vector<GuardRule> rules = {
       {"bhsq1_backward_plan_segfault",
-       {k9_25_1, kAfterNewest},
+       {k9_25_1, kNoFixKnown},
        {},
        &single_row_single_head_hits,
        Fix::kAvoidCudnn,
-       "9.25.1-9.26.x (torch 2.15 pins 9.26.0)",
+       "9.25.1 and later (torch 2.15 pins 9.26.0; no fix known)",
        "segfault building the backward plan when batch, heads and s_q are all 1",
        "never sent to cuDNN: the call runs on PyTorch's next backend",
        "cudnn-frontend #1071 (reported on 9.26.0.51, torch 2.15.0's pin); "
@@ -122,11 +125,11 @@ const std::vector<GuardRule>& table() {
       // Reported on 9.25.1.1 and 9.26.0.51 (torch 2.15.0's pin); the versions
       // between are assumed affected, is_causal included.
       {"sq1_nan_dk_dv",
-       {0, kAfterNewest},
+       {0, kNoFixKnown},
        {},
        &single_query_row_hits,
        Fix::kSingleQueryRow,
-       "<= 9.26.x (other than 9.19.0; torch 2.15 pins 9.26.0)",
+       "every version but 9.19.0 (torch 2.15 pins 9.26.0; no fix known)",
        "backward NaN in all of dK and dV for batch 1, s_q == 1 and a very "
        "negative logsumexp",
        "the backward is computed in fp32 without cuDNN (with dropout: cuDNN's padding "
@@ -145,7 +148,7 @@ const std::vector<GuardRule>& table() {
       // query.size(2), head_dim for packed inputs (pytorch #186142), which
       // gave wrong dQ, 93-186 ms per step and a hang on 9.19.0.
       {"ragged_unmeasured",
-       {k9_19_0 + 1, kAfterNewest},
+       {k9_19_0 + 1, kNoFixKnown},
        {},
        &ragged_hits,
        Fix::kAvoidCudnn,

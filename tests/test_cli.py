@@ -405,7 +405,9 @@ def guards_json(capsys, *args):
     ("9.19.0", {"key_tail_nan_dq_9.19", "sq1_nan_dk_dv_9.19"}, "measured"),
     ("9.20.0", {"key_tail_nan_dq", "sq1_nan_dk_dv", "ragged_unmeasured"}, "conservative"),
     ("9.26.0", {"bhsq1_backward_plan_segfault", "sq1_nan_dk_dv", "ragged_unmeasured"}, "fixed"),
-    ("9.27.0", set(), "unverified"),
+    # Newer than the table knows: the rows of defects with no known fix stay.
+    ("9.27.0", {"bhsq1_backward_plan_segfault", "sq1_nan_dk_dv", "ragged_unmeasured"},
+     "unverified"),
 ])
 def test_guards_for_a_given_cudnn(capsys, cudnn, applying, status):
     table = guards_json(capsys, "--cudnn", cudnn)

@@ -150,7 +150,7 @@ def test_broken_verdict_names_a_fix_turned_off():
 
 def test_unverified_verdict_says_so():
     line, _ = doctor.verdict(gpu_facts(cudnn=92700))
-    assert "cuDNN 9.27.0 is unverified" in line and "stock path" in line
+    assert "cuDNN 9.27.0 is unverified" in line and "no known fix" in line
 
 
 def test_report_lists_the_gpu_facts():
@@ -230,7 +230,9 @@ def test_coverage_of_other_versions(cudnn, status):
     assert cov["status"] == status, cov
     if status == "unverified":
         assert "unverified: newer than the last known cuDNN (9.26)" in cov["summary"]
-        assert "stock path" in cov["summary"] and cov["rules"] == []
+        # No fix known for these defects: their rows stay (conservative).
+        assert {r["name"] for r in cov["rules"]} == {
+            "bhsq1_backward_plan_segfault", "sq1_nan_dk_dv", "ragged_unmeasured"}, cov
 
 
 def test_guard_rows_are_read_by_their_version_ranges():

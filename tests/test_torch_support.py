@@ -100,7 +100,7 @@ def test_newer_release_warns_naming_the_range_and_the_guard_table(built_for, ver
     assert f"torch {version.split('+')[0]} is newer" in msg
     assert f"supports torch {RANGE}" in msg
     assert "names cuDNN up to 9.26 (torch 2.15)" in msg
-    assert "stock path" in msg  # what the op does past the table
+    assert "no known fix" in msg  # what the op does past the table
 
 
 def test_mismatch_with_an_unsupported_torch_names_the_range(built_for):

@@ -79,8 +79,8 @@ def _check_torch_version() -> None:
             f"openwam_sdpa: torch {installed} is newer than the releases it was "
             f"built and checked against; {_SUPPORT}. Its guard table names cuDNN "
             f"up to {NEWEST_KNOWN_CUDNN} (torch {SUPPORTED[1][0]}.{SUPPORTED[1][1]}); "
-            "on a newer cuDNN no guard rule applies and the op runs PyTorch's stock "
-            "path; the rest of openwam_sdpa is unverified on this torch.",
+            "on a newer cuDNN only the rows of defects with no known fix apply (no "
+            "key-tail fix); the rest of openwam_sdpa is unverified on this torch.",
             stacklevel=2,
         )
 

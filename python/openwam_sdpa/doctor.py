@@ -101,7 +101,8 @@ def coverage(version, rules=None, newest_known=None):
     elif version > newest_known:
         status = "unverified"
         summary = (f"unverified: newer than the last known cuDNN ({minor_str(newest_known)}); "
-                   "openwam_sdpa runs the stock path there")
+                   "the key tail gets no fix there, the rows of defects with no known fix "
+                   "stay")
     else:
         status = "fixed"
         # 9.26 (torch 2.15's pin) is fixed on upstream's word; no row was measured there.
@@ -234,7 +235,8 @@ def verdict(facts):
     if cov["status"] == "unverified":
         return (f"not affected as far as checked: stock SDPA gave finite gradients, but "
                 f"cuDNN {cudnn_str(facts['cudnn_runtime'])} is unverified (newer than any "
-                "known); openwam_sdpa runs the stock path there", EXIT_OK)
+                "known); openwam_sdpa gives the key tail no fix there and keeps the rows of "
+                "defects with no known fix", EXIT_OK)
     return ("not affected: stock SDPA gave finite gradients and the guard table "
             "lists no failing key length for this cuDNN", EXIT_OK)
 

@@ -105,6 +105,14 @@ TEST_CASE("varlen: an unmeasured cuDNN takes FlashAttention-2, within its limits
   CHECK(d.backend == VarlenBackend::kFlash);
   CHECK(rule_name(d) == "ragged_unmeasured");
   CHECK_FALSE(d.rule_overridden);
+  // A cuDNN newer than the table knows is unmeasured too.
+  for (long newer : {openwam::cudnn_version(9, 27, 0), openwam::cudnn_version(10, 0, 0)}) {
+    CAPTURE(newer);
+    const VarlenDecision later = Packed().decide(VarlenPreference::kAuto,
+                                                 cuda_stack(true, nullptr, newer));
+    CHECK(later.backend == VarlenBackend::kFlash);
+    CHECK(rule_name(later) == "ragged_unmeasured");
+  }
   // A causal call whose cu_seqlens_q and cu_seqlens_k differ: FlashAttention-2
   // would align the mask bottom-right, so the block-diagonal fallback.
   const VarlenDecision uneven = Packed(at::kBFloat16, 128, 128, /*one_cu=*/false)
