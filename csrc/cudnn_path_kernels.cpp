@@ -297,6 +297,19 @@ Tensors3 sliced_shim_backward(const Engine& engine, const at::Tensor& grad_out,
   return {dq, dk, dv};
 }
 
+// The plan of a leaf-op call. One that pads the keys at the backward only is
+// for calls without dropout: with dropout the forward draws its pattern over
+// the padded keys too (pad_keys_forward), else the backward would replay it
+// over another key length, silently. The guard table never makes it; a direct
+// call of the leaf ops could.
+Plan plan_of_call(const char* op, int64_t plan_bits, double dropout_p) {
+  const Plan plan = Plan::from_int(plan_bits);
+  TORCH_CHECK(!(plan.pad_keys_backward && dropout_p > 0.0), op,
+              ": the plan pad_keys_backward is for calls without dropout (with dropout the "
+              "keys are padded in the forward: pad_keys_forward), got dropout_p ", dropout_p);
+  return plan;
+}
+
 // The kernels of the two ops for an engine (registered below per dispatch key).
 template <const Engine& engine>
 Tensors4 forward_with_plan(const at::Tensor& query, const at::Tensor& key,
@@ -314,7 +327,7 @@ Tensors4 forward_with_plan(const at::Tensor& query, const at::Tensor& key,
                                      dropout_p, is_causal, scale, compute_log_sumexp,
                                      plan_bits);
   }
-  const Plan plan = Plan::from_int(plan_bits);
+  const Plan plan = plan_of_call("openwam::_cudnn_sdpa", plan_bits, dropout_p);
   at::Tensor k = key, v = value;
   at::Tensor bias = bias_keys(attn_bias.value_or(at::Tensor()), key.size(2));
   bool causal = is_causal;
@@ -350,7 +363,7 @@ Tensors3 backward_with_plan(const at::Tensor& grad_out, const at::Tensor& query,
                                       logsumexp, philox_seed, philox_offset, dropout_p,
                                       is_causal, scale, plan_bits);
   }
-  const Plan plan = Plan::from_int(plan_bits);
+  const Plan plan = plan_of_call("openwam::_cudnn_sdpa_backward", plan_bits, dropout_p);
   // An upstream gradient broadcast along head_dim (out.sum().backward()
   // gives an expanded one) is materialised: the padding reads rows of it.
   const at::Tensor go_dense = grad_out.stride(-1) == 1 ? grad_out : grad_out.contiguous();
@@ -484,7 +497,7 @@ Tensors4 frontend_forward(const at::Tensor& query, const at::Tensor& key,
                           double dropout_p, bool is_causal, std::optional<double> scale,
                           bool compute_log_sumexp, int64_t plan_bits) {
   check_leaf_inputs("openwam::_cudnn_sdpa", {query, key, value, attn_bias}, true);
-  const Plan plan = Plan::from_int(plan_bits);
+  const Plan plan = plan_of_call("openwam::_cudnn_sdpa", plan_bits, dropout_p);
   if (!current_settings().frontend) {
     return forward_with_plan<kAtenEngine>(query, key, value, attn_bias, dropout_p, is_causal,
                                           scale, compute_log_sumexp, plan_bits);
@@ -517,7 +530,7 @@ Tensors3 frontend_backward(const at::Tensor& grad_out, const at::Tensor& query,
                            std::optional<double> scale, int64_t plan_bits) {
   check_leaf_inputs("openwam::_cudnn_sdpa_backward",
                     {query, key, value, attn_bias, grad_out, out, logsumexp}, true);
-  const Plan plan = Plan::from_int(plan_bits);
+  const Plan plan = plan_of_call("openwam::_cudnn_sdpa_backward", plan_bits, dropout_p);
   if (!current_settings().frontend) {
     return backward_with_plan<kAtenEngine>(grad_out, query, key, value, attn_bias, out,
                                            logsumexp, philox_seed, philox_offset, dropout_p,

@@ -385,6 +385,18 @@ TEST_CASE("_cudnn_sdpa: the errors", "[leaf_ops]") {
               grad_out, in.query, in.key, in.value, std::nullopt, std::get<0>(f),
               std::get<1>(f), std::get<2>(f), std::get<3>(f), 0.25, false, std::nullopt, 0);
         }) == "openwam::_cudnn_sdpa_backward (CPU reference kernel): no dropout, got 0.25");
+  // pad_keys_backward (2) with dropout: the backward would replay the forward's
+  // pattern over another key length. Refused by every kernel, before its engine.
+  const std::string keys_at_backward =
+      ": the plan pad_keys_backward is for calls without dropout (with dropout the keys are "
+      "padded in the forward: pad_keys_forward), got dropout_p ";
+  CHECK(openwam_test::error_of([&] { call(in.query, std::nullopt, 0.5, true, 2); }) ==
+        "openwam::_cudnn_sdpa" + keys_at_backward + "0.5");
+  CHECK(openwam_test::error_of([&] {
+          openwam::ops::cudnn_sdpa_backward().call(
+              grad_out, in.query, in.key, in.value, std::nullopt, std::get<0>(f),
+              std::get<1>(f), std::get<2>(f), std::get<3>(f), 0.25, false, std::nullopt, 2);
+        }) == "openwam::_cudnn_sdpa_backward" + keys_at_backward + "0.25");
 }
 
 TEST_CASE("_cudnn_sdpa_backward: pad_query_backward needs one query row", "[leaf_ops]") {
