@@ -5,9 +5,9 @@
 #include <array>
 #include <unordered_map>
 
+#include "../aligned_operand.h"
 #include "dropout_seed.h"
 #include "graph_key.h"
-#include "../aligned_operand.h"
 #include "graph_runner.h"
 #include "ragged_buckets.h"
 #include "ragged_offsets.h"

@@ -6,10 +6,10 @@
 #include <cmath>
 #include <unordered_map>
 
+#include "../aligned_operand.h"
 #include "dropout_seed.h"
 #include "full_lengths.h"
 #include "graph_key.h"
-#include "../aligned_operand.h"
 #include "graph_runner.h"
 #include "sdpa_graphs.h"
 #include "stats.h"
@@ -17,6 +17,16 @@
 
 namespace openwam::frontend {
 namespace {
+
+// The padding mask's full lengths bound into `pack`; the result must outlive
+// run() (a per-call write's storage).
+FullLengths bind_full_lengths(std::unordered_map<int64_t, void*>& pack, const at::Tensor& query,
+                              const at::Tensor& key) {
+  FullLengths lengths = full_lengths(query, query.size(2), key.size(2));
+  pack[kSeqLenQ] = const_cast<int32_t*>(lengths.q);
+  pack[kSeqLenKv] = const_cast<int32_t*>(lengths.kv);
+  return lengths;
+}
 
 at::Tensor empty_gradient(const at::Tensor& t) {
   const Layout l = gradient_layout(t);
@@ -112,11 +122,9 @@ bool sdpa_forward(const at::Tensor& query_in, const at::Tensor& key_in,
     pack[kSeed] = result.philox_seed.data_ptr();
     pack[kOffset] = result.philox_offset.data_ptr();
   }
-  FullLengths lengths;  // outlives run(): a per-call write's storage
+  FullLengths lengths;  // outlives run()
   if (fwd.padding_mask) {
-    lengths = full_lengths(query, query.size(2), key.size(2));
-    pack[kSeqLenQ] = const_cast<int32_t*>(lengths.q);
-    pack[kSeqLenKv] = const_cast<int32_t*>(lengths.kv);
+    lengths = bind_full_lengths(pack, query, key);
   }
   run(*graph, pack, fwd);
   return true;
@@ -175,11 +183,9 @@ bool sdpa_backward(const at::Tensor& grad_out_in, const at::Tensor& query_in,
     pack[kSeed] = philox_seed.data_ptr();
     pack[kOffset] = philox_offset.data_ptr();
   }
-  FullLengths lengths;  // outlives run(): a per-call write's storage
+  FullLengths lengths;  // outlives run()
   if (padding_mask) {
-    lengths = full_lengths(query, query.size(2), key.size(2));
-    pack[kSeqLenQ] = const_cast<int32_t*>(lengths.q);
-    pack[kSeqLenKv] = const_cast<int32_t*>(lengths.kv);
+    lengths = bind_full_lengths(pack, query, key);
     stats().padding_mask_backwards++;
   }
   run(*graph, pack, bwd);
