@@ -173,6 +173,8 @@ const std::vector<GuardRule>& table() {
 
 const std::vector<GuardRule>& guard_rules() { return table(); }
 
+bool ragged_layout_rule(const GuardRule& rule) { return rule.hits == &ragged_hits; }
+
 std::vector<const GuardRule*> rules_covering(const CallShape& shape, long cudnn_version) {
   std::vector<const GuardRule*> rules;
   for (const GuardRule& rule : table()) {

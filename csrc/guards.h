@@ -67,6 +67,11 @@ struct GuardRule {
 // Every rule, in the order they are checked.
 const std::vector<GuardRule>& guard_rules();
 
+// Whether the rule is about cuDNN's ragged layout (sdpa_varlen's cuDNN engine)
+// rather than a defect of the dense calls F.sdpa makes (the doctor's verdict
+// counts only those).
+bool ragged_layout_rule(const GuardRule& rule);
+
 // The rules that cover a differentiated call of this shape on `cudnn_version`,
 // in table order (explain's answer for a cuDNN that need not be loaded).
 std::vector<const GuardRule*> rules_covering(const CallShape& shape, long cudnn_version);

@@ -43,7 +43,7 @@ def test_guard_rules(ow):
     assert len(rules) >= 1
     names = set()
     for rule in rules:
-        text_fields = {"name", "versions", "defect", "action", "source"}
+        text_fields = {"name", "versions", "layout", "defect", "action", "source"}
         range_fields = {"first_version", "end_version", "measured_first_version",
                         "measured_end_version"}
         assert set(rule) == text_fields | range_fields
@@ -53,6 +53,8 @@ def test_guard_rules(ow):
         # A measured part lies inside the rule's range (or is empty).
         lo, hi = rule["measured_first_version"], rule["measured_end_version"]
         assert lo >= hi or rule["first_version"] <= lo < hi <= rule["end_version"]
+        # Ragged rows cover sdpa_varlen's cuDNN engine, the others F.sdpa's dense calls.
+        assert rule["layout"] == ("ragged" if rule["name"].startswith("ragged_") else "dense")
         names.add(rule["name"])
     assert len(names) == len(rules)  # unique names
     # Every rule cites where the defect is documented.
@@ -80,10 +82,10 @@ TORCH_2_15_CUDNN = 92600
 
 def test_guard_rules_name_torch_2_15s_cudnn(ow):
     assert TORCH_2_15_CUDNN <= ow.build_info()["newest_known_cudnn"]
-    # openwam::sdpa's rows (the ragged_* rows cover sdpa_varlen's cuDNN engine).
+    # openwam::sdpa's rows (the ragged rows cover sdpa_varlen's cuDNN engine).
     applying = [r for r in ow.guard_rules()
                 if r["first_version"] <= TORCH_2_15_CUDNN < r["end_version"]
-                and not r["name"].startswith("ragged_")]
+                and r["layout"] == "dense"]
     assert [r["name"] for r in applying] == ["bhsq1_backward_plan_segfault", "sq1_nan_dk_dv"]
     for rule in applying:
         assert not rule["measured_first_version"] <= TORCH_2_15_CUDNN < rule["measured_end_version"]

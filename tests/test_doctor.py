@@ -130,8 +130,10 @@ def gpu_facts(stock=0, ours=0, stock_lp=0, ours_lp=0, cudnn=91900):
     (gpu_facts(0, 0, 8192), doctor.EXIT_AFFECTED, "AFFECTED: stock SDPA gave 8192"),
     (gpu_facts(), doctor.EXIT_AFFECTED, "AFFECTED: the guard table lists"),
     (gpu_facts(cudnn=92000), doctor.EXIT_AFFECTED, "AFFECTED: the guard table lists"),
-    (gpu_facts(cudnn=92600), doctor.EXIT_OK, "not affected: stock SDPA gave finite"),
-    (gpu_facts(cudnn=92700), doctor.EXIT_OK, "not affected as far as checked"),
+    # torch 2.15's cuDNN: no key tail, but the one-query-row rows (no fix known).
+    (gpu_facts(cudnn=92600), doctor.EXIT_AFFECTED, "AFFECTED: the guard table lists defects "
+     "of this cuDNN that the two cases cannot hit: bhsq1_backward_plan_segfault, sq1_nan_dk_dv "),
+    (gpu_facts(cudnn=92700), doctor.EXIT_AFFECTED, "AFFECTED: the guard table lists defects"),
     (gpu_facts(1024, 3), doctor.EXIT_BROKEN, "BROKEN: openwam_sdpa gave 3"),
     (gpu_facts(0, 0, 8192, 5), doctor.EXIT_BROKEN, "BROKEN: openwam_sdpa gave 5"),
     (gpu_facts(0, 0, 64, cudnn=92700), doctor.EXIT_AFFECTED, "AFFECTED: stock SDPA gave 64"),
@@ -150,7 +152,23 @@ def test_broken_verdict_names_a_fix_turned_off():
 
 def test_unverified_verdict_says_so():
     line, _ = doctor.verdict(gpu_facts(cudnn=92700))
-    assert "cuDNN 9.27.0 is unverified" in line and "no known fix" in line
+    assert "cuDNN 9.27.0 is newer than any known" in line and "ragged" not in line
+
+
+def test_verdicts_without_listed_defects():
+    """A cuDNN the table lists nothing for (a made-up table: the real one lists
+    the one-query-row defects on every version) is not affected; past the
+    newest known version, as far as checked. The ragged rows choose
+    sdpa_varlen's engine and never make a stack affected."""
+    ragged = {"name": "ragged_unmeasured", "layout": "ragged", "first_version": 0,
+              "end_version": 10**6, "measured_first_version": 0, "measured_end_version": 0}
+    for cudnn, start in ((92600, "not affected: stock SDPA gave finite gradients and the guard "
+                                 "table lists no defect of this cuDNN"),
+                         (92700, "not affected as far as checked")):
+        facts = dict(gpu_facts(cudnn=cudnn),
+                     coverage=doctor.coverage(cudnn, [ragged], newest_known=92699))
+        line, code = doctor.verdict(facts)
+        assert code == doctor.EXIT_OK and line.startswith(start), line
 
 
 def test_report_lists_the_gpu_facts():

@@ -140,6 +140,7 @@ py::list guard_rules() {
     d["end_version"] = r.versions.end;  // exclusive
     d["measured_first_version"] = r.measured.first;
     d["measured_end_version"] = r.measured.end;  // exclusive; equal: nothing measured
+    d["layout"] = openwam::ragged_layout_rule(r) ? "ragged" : "dense";
     d["defect"] = r.defect;
     d["action"] = r.action;
     d["source"] = r.source;

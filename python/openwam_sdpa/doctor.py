@@ -77,6 +77,12 @@ def rules_for(version, rules):
     return found
 
 
+def dense_rows(rows):
+    """The rows about F.sdpa's dense calls (the ragged rows choose sdpa_varlen's
+    engine: no stock call meets them)."""
+    return [r for r in rows if r["layout"] == "dense"]
+
+
 def coverage(version, rules=None, newest_known=None):
     """How the guard table covers cuDNN `version`: a dict with `status`
     ("none", "measured", "conservative", "fixed" or "unverified"), the
@@ -226,19 +232,28 @@ def verdict(facts):
         return (f"BROKEN: openwam_sdpa gave {ours} non-finite gradient elements; "
                 "please report this with the output above", EXIT_BROKEN)
     cov = facts["coverage"]
+    use = ('use attn_implementation="openwam_sdpa", openwam_sdpa.sdpa or '
+           "openwam_sdpa.patch()")
     if stock or cov["remainders"]:
         why = (f"stock SDPA gave {stock} non-finite gradient elements"
                if stock else "the guard table lists this cuDNN as affected")
-        return (f"AFFECTED: {why}; openwam_sdpa gave none: use "
-                'attn_implementation="openwam_sdpa", openwam_sdpa.sdpa or openwam_sdpa.patch()',
-                EXIT_AFFECTED)
+        return f"AFFECTED: {why}; openwam_sdpa gave none: {use}", EXIT_AFFECTED
+    # Rows the two cases cannot hit: on cuDNN 9.26 (torch 2.15) and newer, the
+    # one-query-row defects (cudnn-frontend #1071, #1072), with no known fix.
+    listed = [r["name"] for r in dense_rows(cov["rules"]) if not r["name"].startswith("key_tail")]
+    if listed:
+        newer = (f"; cuDNN {cudnn_str(facts['cudnn_runtime'])} is newer than any known"
+                 if cov["status"] == "unverified" else "")
+        return (f"AFFECTED: the guard table lists defects of this cuDNN that the two cases "
+                f"cannot hit: {', '.join(listed)} (`python -m openwam_sdpa guards` describes "
+                f"them; no key length fails{newer}); openwam_sdpa fixes the calls they "
+                f"cover: {use}", EXIT_AFFECTED)
     if cov["status"] == "unverified":
         return (f"not affected as far as checked: stock SDPA gave finite gradients, but "
                 f"cuDNN {cudnn_str(facts['cudnn_runtime'])} is unverified (newer than any "
-                "known); openwam_sdpa gives the key tail no fix there and keeps the rows of "
-                "defects with no known fix", EXIT_OK)
+                "known); openwam_sdpa gives the key tail no fix there", EXIT_OK)
     return ("not affected: stock SDPA gave finite gradients and the guard table "
-            "lists no failing key length for this cuDNN", EXIT_OK)
+            "lists no defect of this cuDNN", EXIT_OK)
 
 
 def _count_line(name, counts):

@@ -141,8 +141,8 @@ TEST_CASE("torch 2.15's cuDNN 9.26.0: the rows that apply, all conservative",
   REQUIRE(pinned <= kNewestKnownCudnn);
   std::vector<std::string> applying;
   for (const GuardRule& r : openwam::guard_rules()) {
-    // openwam::sdpa's rows (the ragged_* rows cover sdpa_varlen's cuDNN engine).
-    if (!r.versions.contains(pinned) || std::string(r.name).rfind("ragged_", 0) == 0) {
+    // openwam::sdpa's rows (the ragged rows cover sdpa_varlen's cuDNN engine).
+    if (!r.versions.contains(pinned) || openwam::ragged_layout_rule(r)) {
       continue;
     }
     CAPTURE(r.name);
@@ -532,6 +532,12 @@ TEST_CASE("rules ragged_unmeasured(_old): ragged calls, every version but 9.19.0
   for (const GuardRule* r : {&after, &before}) {
     CHECK(r->fix == Fix::kAvoidCudnn);
     CHECK(r->measured.empty());
+    CHECK(openwam::ragged_layout_rule(*r));
+  }
+  // Every other row is about the dense calls F.sdpa makes (the doctor counts those).
+  for (const GuardRule& r : openwam::guard_rules()) {
+    CAPTURE(r.name);
+    CHECK(openwam::ragged_layout_rule(r) == (std::string(r.name).rfind("ragged_", 0) == 0));
   }
   for (long version : {k9_7_1, k9_19_0, k9_26_0}) {
     for (int64_t s_q : {1, 64}) {
