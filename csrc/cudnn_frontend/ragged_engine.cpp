@@ -73,8 +73,13 @@ SdpaGraphKey forward_key(const at::Tensor& q, const at::Tensor& k, const at::Ten
   return key;
 }
 
-// The backward of `fwd`, for grad_out laid out like the output and
-// contiguous gradients.
+// The backward of `fwd`, for grad_out laid out like the output, and query,
+// key, value and their gradients all contiguous [total, H, E]. On cuDNN 9.19.0
+// (H200) the ragged backward gave a wrong dQ (normalised error 1.0-1.35) when
+// the query was a strided view (a slice of a packed qkv projection, or a
+// head-major buffer) and dQ contiguous, though both carried their own offsets;
+// its forward took the same views right. The backward runs on contiguous
+// copies of such views (backward_operand).
 SdpaGraphKey backward_key(const SdpaGraphKey& fwd, const at::Tensor& q, const at::Tensor& k,
                           const RaggedDims& d) {
   SdpaGraphKey key = fwd;
@@ -84,11 +89,16 @@ SdpaGraphKey backward_key(const SdpaGraphKey& fwd, const at::Tensor& q, const at
     const int64_t heads = t.size(1), e = t.size(2);
     return Layout{{d.batch, heads, s, e}, {s * heads * e, e, heads * e, 1}};
   };
-  key.dq = contiguous(q, d.s_q);
-  key.dk = key.dv = contiguous(k, d.s_kv);
+  key.q = key.dq = contiguous(q, d.s_q);
+  key.k = key.v = key.dk = key.dv = contiguous(k, d.s_kv);  // one head_dim (check_call)
   key.max_total_q = d.total_q;
   key.max_total_kv = d.total_kv;
   return key;
+}
+
+// An operand of the backward graph: contiguous (backward_key), and aligned.
+at::Tensor backward_operand(const at::Tensor& t) {
+  return aligned_operand(t.is_contiguous() ? t : t.contiguous());
 }
 
 RaggedOffsets offsets_for(const SdpaGraphKey& key, const at::Tensor& cu_q,
@@ -180,12 +190,11 @@ bool ragged_backward(const at::Tensor& grad_out, const at::Tensor& query_in,
               "openwam::_sdpa_varlen_backward: the ragged engine's backward takes its forward's "
               "contiguous output and float32 [total_q, heads, 1] logsumexp");
   const c10::cuda::CUDAGuard device(query_in.device());  // as in ragged_forward
-  const at::Tensor query = aligned_operand(query_in), key = aligned_operand(key_in),
-                   value = aligned_operand(value_in);
+  const at::Tensor query = backward_operand(query_in), key = backward_operand(key_in),
+                   value = backward_operand(value_in);
   const RaggedDims d = dims_of(query, key, cu_q, max_q, max_k);
   // cuDNN reads grad_out's rows through the output's offsets.
-  const at::Tensor go =
-      aligned_operand(grad_out.is_contiguous() ? grad_out : grad_out.contiguous());
+  const at::Tensor go = backward_operand(grad_out);
   const SdpaGraphKey fwd = forward_key(query, key, value, out, d, dropout_p, is_causal, true);
   const SdpaGraphKey bwd = backward_key(fwd, query, key, d);
   const auto graph = graph_for(bwd, why_not);

@@ -255,6 +255,33 @@ def test_misaligned_operands(ow, settings, frontend):
             assert err < 2e-2, (sorted(kw), name, err)
 
 
+@pytest.mark.parametrize("s_kv", [256, 320], ids=["stock_graph", "padding_mask"])
+def test_slices_of_a_packed_qkv_projection(ow, s_kv):
+    """q, k and v as a fused projection gives them: [B, S, 3, H, D] unbound and
+    transposed, so no operand is dense and each gradient is laid out apart
+    from its input (at::empty_like's rule). The ragged engine's backward got
+    dQ wrong on such views (cuDNN 9.19.0); the dense graphs, which describe
+    every tensor's strides whole, must not. Against the float64 reference, at
+    a key length with no fix and one with the padding mask."""
+    g = torch.Generator(device="cuda").manual_seed(15)
+    b, h, s_q = 2, 4, 96
+    q = torch.randn(b, s_q, 3, h, 64, device="cuda", dtype=torch.bfloat16, generator=g)[:, :, 0]
+    kv = torch.randn(b, s_kv, 3, h, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in (q, kv[:, :, 1], kv[:, :, 2]))
+    assert not q.is_contiguous() and q.stride(2) == 3 * h * 64
+    go = torch.randn(b, h, s_q, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    info = ow.explain(q, k, v)
+    assert info["engine"] == "cudnn_frontend", info
+    assert info["plan"].startswith("padding_mask") == (s_kv % 128 == 64), info
+    ours = run(ow.sdpa, q, k, v, go)
+    ref = run(torch.nn.functional.scaled_dot_product_attention, q.double(), k.double(),
+              v.double(), go.double())
+    for name in ("out", "dq", "dk", "dv"):
+        x, r = getattr(ours, name), getattr(ref, name)
+        err = max_err(x, r) / float(r.abs().max())
+        assert err < 2e-2, (name, err)
+
+
 def test_dropout_pattern_shared_by_forward_and_backward(ow):
     """With value = identity (64 keys, head_dim 64), the output is the dropped
     probability matrix itself, so the backward's dV must be out^T @ dO
