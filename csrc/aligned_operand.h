@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 
@@ -33,6 +34,31 @@ inline at::Tensor aligned_operand(const at::Tensor& t) {
 
 inline std::optional<at::Tensor> aligned_operand(const std::optional<at::Tensor>& t) {
   return t.has_value() ? std::optional<at::Tensor>(aligned_operand(*t)) : t;
+}
+
+// Whether each row of `t` (its last dim) starts 16 bytes after a 16-byte
+// boundary's multiple when `t` itself does: every stride but the last dim's a
+// whole number of 16-byte vectors (size-1 dims aside). x[..., :64] of bf16
+// rows 68 wide is not, its rows 136 bytes apart: an aligned start is not
+// enough for FlashAttention-2 varlen, which loads every row in 16-byte vectors.
+inline bool rows_aligned(const at::Tensor& t) {
+  const int64_t per_vector = std::max<int64_t>(1, 16 / static_cast<int64_t>(t.element_size()));
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
+    if (t.size(d) > 1 && t.stride(d) % per_vector != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// `t`, or a copy of it (as aligned_operand copies) where its start or the
+// start of any row is not 16-byte aligned. A dense copy of rows whose length
+// is a multiple of 16 bytes has every row aligned.
+inline at::Tensor aligned_rows(const at::Tensor& t) {
+  if (is_aligned(t) && rows_aligned(t)) {
+    return t;
+  }
+  return at::empty_like(t, at::MemoryFormat::Preserve).copy_(t);
 }
 
 }  // namespace openwam

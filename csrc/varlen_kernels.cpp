@@ -215,10 +215,12 @@ Tensors3 cpu_backward(const at::Tensor& grad_out, const at::Tensor& query,
 // ------------------------------------------------------------ CUDA
 
 #ifdef OPENWAM_WITH_CUDA
-// The fused engines read rows with unit stride along head_dim, from a 16-byte
-// aligned start (FlashAttention-2 loads 16-byte vectors; aligned_operand.h).
+// The fused engines read rows with unit stride along head_dim, each from a
+// 16-byte aligned start (FlashAttention-2 loads 16-byte vectors; cuDNN's
+// frontend refuses other strides, and FlashAttention-2 then stands in;
+// aligned_operand.h).
 at::Tensor rows(const at::Tensor& t) {
-  return t.stride(-1) == 1 ? aligned_operand(t) : t.contiguous();
+  return t.stride(-1) == 1 ? aligned_rows(t) : t.contiguous();
 }
 
 #ifdef OPENWAM_WITH_CUDNN_FRONTEND

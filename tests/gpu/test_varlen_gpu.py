@@ -439,6 +439,8 @@ def packed_views(layout, total, g):
 
     if layout == "misaligned":  # each starts 8 bytes into its buffer (rows 144 bytes apart)
         return tuple(randn(total, 4, 72)[..., 4:68] for _ in range(3))
+    if layout == "narrow_rows":  # an aligned start, rows 136 bytes apart (run on a copy)
+        return tuple(randn(total, 4, 68)[..., :64] for _ in range(3))
     if layout == "qkv_packed":  # one projection's output: rows 3 * 4 * 64 apart
         qkv = randn(total, 3, 4, 64)
         return qkv[:, 0], qkv[:, 1], qkv[:, 2]
@@ -446,14 +448,15 @@ def packed_views(layout, total, g):
     return tuple(randn(4, total, 64).transpose(0, 1) for _ in range(3))
 
 
-@pytest.mark.parametrize("layout", ["misaligned", "qkv_packed", "head_major"])
+@pytest.mark.parametrize("layout", ["misaligned", "narrow_rows", "qkv_packed", "head_major"])
 @pytest.mark.parametrize("engine", ["cudnn", "flash"])
 def test_strided_and_misaligned_operands(engine, layout, engine_setting):
-    """Both fused engines on packed inputs that are views: misaligned (run on
-    aligned copies: frontend 1.32 refused them, FlashAttention-2 loads 16-byte
-    vectors), slices of a packed qkv projection and head-major buffers (the
-    ragged graph keys and offsets their strides as they are); each sequence
-    against F.sdpa on it alone in float64."""
+    """Both fused engines on packed inputs that are views: misaligned starts or
+    rows (run on aligned copies: frontend 1.32 refused them, FlashAttention-2
+    loads 16-byte vectors), slices of a packed qkv projection and head-major
+    buffers (the ragged forward takes their strides as they are; its backward,
+    which got dQ wrong on them on cuDNN 9.19.0, runs on contiguous copies);
+    each sequence against F.sdpa on it alone in float64."""
     engine_setting(engine)
     ow = openwam_sdpa
     g = torch.Generator(device="cuda").manual_seed(13)
