@@ -14,6 +14,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "aligned_operand.h"
 #include "cudnn_attention.h"
@@ -63,10 +64,18 @@ struct PaddedKeys {
 // The bias as the leaf ops take it: its last dim the key length (or 1), or,
 // for a K/V shim backward, already grown to the key tile with -inf there
 // (run_cudnn_path writes it so where it makes the bias anyway). The forward,
-// and every backward but the shim's, read its first s_kv keys.
+// and every backward but the shim's, read its first s_kv keys. A key axis of
+// 1 (only a direct call of the leaf op passes one; cudnn_bias never does) is
+// materialised: the engines describe the bias to cuDNN with a contiguous key
+// axis (sdpa_engine.h), not the stride 0 of an expand.
 at::Tensor bias_keys(const at::Tensor& bias, int64_t s_kv) {
-  if (!bias.defined() || bias.size(-1) == s_kv || bias.size(-1) == 1) {
+  if (!bias.defined() || bias.size(-1) == s_kv) {
     return bias;
+  }
+  if (bias.size(-1) == 1) {
+    std::vector<int64_t> sizes = bias.sizes().vec();
+    sizes.back() = s_kv;
+    return bias.expand(sizes).contiguous();
   }
   const int64_t padded = padded_length(s_kv, kCudnnKeyTile);
   TORCH_CHECK(bias.size(-1) == padded, "openwam::_cudnn_sdpa: attn_bias's last dim must be "

@@ -55,3 +55,24 @@ def test_opcheck_cudnn_leaf_ops(case, mask_kind, ow):
     torch.library.opcheck(torch.ops.openwam._cudnn_sdpa_backward.default,
                           (torch.randn_like(out), q.detach(), k.detach(), v.detach(), bias,
                            out, lse, seed, offset, 0.0, False, None, plan))
+
+
+@pytest.mark.parametrize("shape", [(B, 1, S_Q, 1), (1, 1, 1, 1), (B, H, S_Q, 1)])
+def test_leaf_op_bias_broadcast_along_the_keys(shape, ow):
+    """A direct call of the leaf op may pass a bias whose key axis is 1. The
+    engines describe the bias to cuDNN with a contiguous key axis, so it is
+    materialised (bias_keys); an expand's stride 0 went to cuDNN before. A
+    bias constant along the keys cannot change the softmax: the call equals
+    the call without one. s_kv = 704 and plan padding_mask, as the op runs it."""
+    q, k, v = cuda_qkv(B, H, S_Q, S_KV, D, seed=10, requires_grad=True)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    bias = 3.0 * torch.randn(*shape, device="cuda", dtype=q.dtype, generator=g)
+    go = torch.randn(B, H, S_Q, D, device="cuda", dtype=q.dtype, generator=g)
+
+    def run(b):
+        out = torch.ops.openwam._cudnn_sdpa(q, k, v, b, 0.0, False, None, True, 1)[0]
+        return [out.detach(), *torch.autograd.grad(out, (q, k, v), go)]
+
+    for name, x, ref in zip(("out", "dq", "dk", "dv"), run(bias), run(None)):
+        err = float((x.double() - ref.double()).abs().max() / ref.double().abs().max())
+        assert err < 2e-2, (shape, name, err)
