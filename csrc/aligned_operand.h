@@ -36,11 +36,11 @@ inline std::optional<at::Tensor> aligned_operand(const std::optional<at::Tensor>
   return t.has_value() ? std::optional<at::Tensor>(aligned_operand(*t)) : t;
 }
 
-// Whether each row of `t` (its last dim) starts 16 bytes after a 16-byte
-// boundary's multiple when `t` itself does: every stride but the last dim's a
-// whole number of 16-byte vectors (size-1 dims aside). x[..., :64] of bf16
-// rows 68 wide is not, its rows 136 bytes apart: an aligned start is not
-// enough for FlashAttention-2 varlen, which loads every row in 16-byte vectors.
+// Whether every row of `t` (along its last dim) starts on a 16-byte boundary
+// when `t` itself does: every stride but the last dim's a whole number of
+// 16-byte vectors (size-1 dims aside). x[..., :64] of bf16 rows 68 wide is
+// not, its rows 136 bytes apart: an aligned start is not enough for
+// FlashAttention-2 varlen, which loads every row in 16-byte vectors.
 inline bool rows_aligned(const at::Tensor& t) {
   const int64_t per_vector = std::max<int64_t>(1, 16 / static_cast<int64_t>(t.element_size()));
   for (int64_t d = 0; d + 1 < t.dim(); ++d) {

@@ -77,9 +77,9 @@ const std::vector<GuardRule>& table() {
       // through ATen: s_kv = 256 + r for r = 1..127, s_kv in 1..127 and
       // 1025..1151 at head_dim 64 and 128: only r == 64 gave NaN dQ, is_causal
       // never did (nor with s_q != s_kv: s_q = s_kv - 64, + 64 and 2 s_kv at
-      // s_kv 320 and 704, bf16, one or every row adversarial). The same graphs through the frontend: NaN at r == 64 for
-      // head_dim 64-256, bf16 and fp16, none with the padding mask
-      // (docs/design.md, "The defects").
+      // s_kv 320 and 704, bf16, one or every row adversarial). The same graphs
+      // through the frontend: NaN at r == 64 for head_dim 64-256, bf16 and
+      // fp16, none with the padding mask (docs/design.md, "The defects").
       {"key_tail_nan_dq_9.19",
        {k9_19_0, k9_19_0 + 1},
        {k9_19_0, k9_19_0 + 1},
