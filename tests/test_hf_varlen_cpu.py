@@ -212,3 +212,63 @@ def test_position_ids_refilled_in_place_between_forwards():
         expected = ref(input_ids=ids, position_ids=pos.clone()).logits
     assert calls == LAYERS
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_unpad_setting_keeps_packed_rows_on_the_sdpa_path(monkeypatch):
+    """Rows that each pack several sequences (position_ids restarting inside a
+    row, no attention mask): transformers builds a block-diagonal mask. Read as
+    key padding, that mask had kept only each row's last sequence, and every
+    other token's attention came out zero (logits off by 0.25-0.59); it is no
+    key-padding mask, so the "sdpa" path takes it."""
+    ids = torch.randint(96, (2, 10), generator=torch.Generator().manual_seed(0))
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])
+    with torch.no_grad():
+        ref = tiny_model("llama", "sdpa")(input_ids=ids, position_ids=pos).logits
+        monkeypatch.setenv("OPENWAM_SDPA_UNPAD", "1")
+        ours, calls = varlen_calls(
+            lambda: tiny_model("llama")(input_ids=ids, position_ids=pos).logits)
+    assert calls == 0
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("unpad", ["0", "1"])
+def test_a_float_mask_keeps_its_bias(monkeypatch, unpad):
+    """Falcon with ALiBi carries its position bias in a float attention mask,
+    which varlen_sdpa has no place for: packed (position_ids restarting) or
+    batched under OPENWAM_SDPA_UNPAD=1, the bias had been dropped (logits off
+    by 9e-3 and 3e-2). Both now take the "sdpa" path, as stock does."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(vocab_size=96, hidden_size=64, num_hidden_layers=LAYERS,
+                          num_attention_heads=4, alibi=True, new_decoder_architecture=False,
+                          multi_query=False, parallel_attn=False, bias=True, use_cache=False)
+
+    def falcon(attn):
+        torch.manual_seed(0)
+        return FalconForCausalLM._from_config(config, attn_implementation=attn).eval()
+
+    monkeypatch.setenv("OPENWAM_SDPA_UNPAD", unpad)
+    g = torch.Generator().manual_seed(0)
+    packed = dict(input_ids=torch.randint(96, (1, 10), generator=g),
+                  position_ids=torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3]]))
+    batched = dict(input_ids=torch.randint(96, (2, 8), generator=g))
+    with torch.no_grad():
+        for inputs in (packed, batched):
+            ref = falcon("sdpa")(**inputs).logits
+            ours, calls = varlen_calls(lambda: falcon("openwam_sdpa")(**inputs).logits)
+            assert calls == 0
+            torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_cpu_training_with_attention_dropout_takes_the_sdpa_path():
+    """varlen_sdpa's CPU reference has no dropout: a packed batch trained on
+    the CPU with attention_dropout raised there, where "sdpa" trains."""
+    collator = DataCollatorWithFlattening()
+    batch = collator([{"input_ids": s} for s in sequences()])
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                         attention_dropout=0.1, use_cache=False)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="openwam_sdpa").train()
+    loss, calls = varlen_calls(lambda: model(**batch).loss)
+    loss.backward()
+    assert calls == 0 and torch.isfinite(loss)

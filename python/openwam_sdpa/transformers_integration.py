@@ -96,18 +96,42 @@ def _boundaries_from_position_ids(position_ids):
     return (cu, max_len) if packs else None
 
 
-def _rows_from_mask(mask):
+def _rows_from_mask(mask, is_causal):
     """(indices of the real tokens in [B * S], cu_seqlens, max_seqlen) of a
-    4-D [B, 1, Q, K] full-attention mask: a key is real where the last query
-    row sees it (causal and key padding: the last row sees every real key)."""
+    4-D [B, 1, Q, K] bool self-attention mask that is key padding alone
+    (causal or not), or None for any other mask. A key is real where the last
+    query row sees it (causal and key padding: the last row sees every real
+    key); every other row must then see exactly the real keys (up to itself,
+    if causal), or be a padding query's. Other masks, such as the block-diagonal mask of
+    packed rows (position_ids restarting inside each row), keep the "sdpa"
+    path: read as key padding they had lost all but each row's last
+    sequence."""
     import torch
 
-    last = mask[:, 0, -1, :]
-    keep = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
+    allowed = mask[:, 0]
+    keep = allowed[:, -1, :]
+    expected = keep[:, None, :].expand_as(allowed)
+    if is_causal:
+        expected = expected & torch.ones(allowed.shape[-2:], dtype=torch.bool,
+                                         device=allowed.device).tril()
+    # A padding query's row is dropped (its output is zero): it may see
+    # nothing (left padding), everything (PyTorch < 2.5's fix in
+    # transformers) or what a real row would (right padding).
+    padding_row = ~keep & (~allowed.any(-1) | allowed.all(-1))
+    matches = ((allowed == expected).all(-1) | padding_row).all()
     lengths = keep.sum(-1)
+    matches, max_len = torch.stack([matches.to(lengths.dtype), lengths.max()]).tolist()
+    if not matches:
+        return None
     indices = torch.nonzero(keep.reshape(-1), as_tuple=False).flatten()
     cu = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
-    return indices, cu, int(lengths.max().item())
+    return indices, cu, max_len
+
+
+def _is_causal(module, kwargs):
+    """transformers' rule: the call's is_causal, else the module's (default True)."""
+    is_causal = kwargs.get("is_causal")
+    return bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
 
 
 def _varlen(module, query, key, value, cu, max_len, kwargs):
@@ -118,9 +142,7 @@ def _varlen(module, query, key, value, cu, max_len, kwargs):
     q = query.transpose(1, 2).reshape(-1, query.shape[1], query.shape[3])
     k = key.transpose(1, 2).reshape(-1, key.shape[1], key.shape[3])
     v = value.transpose(1, 2).reshape(-1, value.shape[1], value.shape[3])
-    is_causal = kwargs.get("is_causal")
-    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    return q, k, v, dict(cu=cu, max_len=max_len, is_causal=bool(is_causal),
+    return q, k, v, dict(cu=cu, max_len=max_len, is_causal=_is_causal(module, kwargs),
                          scale=kwargs.get("scaling"), dropout_p=kwargs.get("dropout", 0.0),
                          enable_gqa=query.shape[1] != key.shape[1], fn=varlen_sdpa)
 
@@ -135,9 +157,18 @@ def packed_attention(module, query, key, value, attention_mask, **kwargs):
     """The varlen path for this call, or None when it does not apply.
     Returns (attn_output [B, S, H, Ev], None) as transformers' attention
     functions do."""
+    import torch
+
     if any(kwargs.get(name) is not None for name in _UNSUPPORTED):
         return None
     if getattr(module, "sliding_window", None) is not None:
+        return None
+    # A float mask may carry a bias (Falcon's ALiBi), which varlen_sdpa has no
+    # place for; transformers' own sdpa masks are bool.
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        return None
+    # varlen_sdpa's CPU reference has no dropout; "sdpa" trains with it there.
+    if kwargs.get("dropout", 0.0) and not query.is_cuda:
         return None
     batch, _, q_len, _ = query.shape
     # Self-attention over the same tokens: queries and keys share boundaries
@@ -147,8 +178,6 @@ def packed_attention(module, query, key, value, attention_mask, **kwargs):
     cu = kwargs.get("cu_seq_lens_q")
     max_len = kwargs.get("max_length_q")
     if batch == 1 and cu is not None and max_len is not None:
-        import torch
-
         cu = cu.to(device=query.device, dtype=torch.int32)
         max_len = int(max_len)
     elif batch == 1 and kwargs.get("position_ids") is not None:
@@ -159,7 +188,11 @@ def packed_attention(module, query, key, value, attention_mask, **kwargs):
         cu, max_len = found
     elif batch > 1 and attention_mask is not None and attention_mask.dim() == 4 \
             and unpad_enabled():
-        indices, cu, max_len = _from_mask.get(attention_mask, module, _rows_from_mask)
+        causal = _is_causal(module, kwargs)
+        rows = _from_mask.get(attention_mask, module, lambda m: _rows_from_mask(m, causal))
+        if rows is None:
+            return None
+        indices, cu, max_len = rows
         q, k, v, a = _varlen(module, query, key, value, cu, max_len, kwargs)
         out = _run(q.index_select(0, indices), k.index_select(0, indices),
                    v.index_select(0, indices), a)
