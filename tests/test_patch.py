@@ -367,3 +367,41 @@ def test_patch_per_call_holds_across_threads(ow):
         t.join(10)
     assert seen == {"patched after the other left": True}
     assert F.scaled_dot_product_attention is F_SDPA
+
+
+def test_patch_and_unpatch_while_the_backend_is_inside(ow):
+    """patch(), a `with patch()` block and unpatch() in one thread while the
+    transformers backend's call is inside in another: the call keeps the op
+    until it leaves, and what the first thread set holds afterwards. A
+    leaving call had restored what it found on entry: patch() for good was
+    undone, and a closed `with patch()` block stayed patched."""
+    import threading
+
+    from openwam_sdpa.patching import patched_while_inside
+
+    def during_a_call(action):
+        inside, done = threading.Event(), threading.Event()
+        seen = {}
+
+        def call():
+            with patched_while_inside():
+                inside.set()
+                done.wait(5)
+                seen["op during the call"] = ow.is_patched()
+
+        t = threading.Thread(target=call)
+        t.start()
+        assert inside.wait(5)
+        action()
+        done.set()
+        t.join(10)
+        return seen["op during the call"]
+
+    assert during_a_call(ow.patch) and ow.is_patched()  # for good
+    assert during_a_call(ow.unpatch) and F.scaled_dot_product_attention is F_SDPA
+
+    def block():
+        with ow.patch():
+            pass
+
+    assert during_a_call(block) and F.scaled_dot_product_attention is F_SDPA

@@ -41,6 +41,29 @@ def is_patched() -> bool:
     return F.scaled_dot_product_attention is _patched_sdpa
 
 
+# What F.sdpa is outside the transformers backend's calls, and the count of
+# calls inside (patched_while_inside), under one lock: patch(), its exit and
+# unpatch() set the function that holds once the last call leaves, and a call
+# leaving restores the latest of them, not what it found on entry (which had
+# undone another thread's patch() for good, or left a `with patch()` block's
+# patch in place after it).
+_lock = threading.Lock()
+_inside = 0
+_outside = None  # while calls are inside: what F.sdpa is once they leave
+
+
+def _current():
+    return _outside if _inside else F.scaled_dot_product_attention
+
+
+def _set(fn) -> None:
+    global _outside
+    if _inside:
+        _outside = fn
+    else:
+        F.scaled_dot_product_attention = fn
+
+
 class patch:
     """Send torch.nn.functional.scaled_dot_product_attention to openwam_sdpa.
 
@@ -56,16 +79,31 @@ class patch:
         # What was there before: PyTorch's function, our own, or a wrapper
         # someone else installed. context_parallel's must stay in front of
         # the op (patch() before entering it), or its calls skip the ring.
-        self._previous = F.scaled_dot_product_attention
+        # Under torch.compile the tracer records the swap (a lock would break
+        # the graph).
+        if torch.compiler.is_compiling():
+            self._previous = F.scaled_dot_product_attention
+            self._check_previous()
+            F.scaled_dot_product_attention = _patched_sdpa
+            return
+        with _lock:
+            self._previous = _current()
+            self._check_previous()
+            _set(_patched_sdpa)
+
+    def _check_previous(self):
         if is_context_parallel_wrapper(self._previous):
             raise NotImplementedError(CONTEXT_PARALLEL_MESSAGE)
-        F.scaled_dot_product_attention = _patched_sdpa
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        F.scaled_dot_product_attention = self._previous
+        if torch.compiler.is_compiling():
+            F.scaled_dot_product_attention = self._previous
+            return False
+        with _lock:
+            _set(self._previous)
         return False
 
 
@@ -77,43 +115,48 @@ class patched_while_inside:
     thread leaving restores what it found on entry, which may be another
     thread's patch (F.sdpa then stays patched for good) or PyTorch's own
     while another thread is still inside (its call then runs on stock
-    cuDNN, defects and all). Counted under a lock; under torch.compile the
-    tracer sees a plain patch() instead (it records the swap, and a lock
-    would break the graph)."""
-
-    _lock = threading.Lock()
-    _inside = 0
-    _previous = None
+    cuDNN, defects and all). Counted under the module's lock; under
+    torch.compile the tracer sees a plain patch() instead (it records the
+    swap, and a lock would break the graph)."""
 
     def __init__(self):
+        global _inside, _outside
         self._traced = torch.compiler.is_compiling()
         if self._traced:
             self._patch = patch()
             return
-        cls = patched_while_inside
-        with cls._lock:
-            if cls._inside == 0:
-                cls._previous = patch()
-            cls._inside += 1
+        with _lock:
+            if _inside == 0:
+                previous = F.scaled_dot_product_attention
+                if is_context_parallel_wrapper(previous):
+                    raise NotImplementedError(CONTEXT_PARALLEL_MESSAGE)
+                _outside = previous
+                F.scaled_dot_product_attention = _patched_sdpa
+            _inside += 1
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
+        global _inside, _outside
         if self._traced:
             return self._patch.__exit__(*exc)
-        cls = patched_while_inside
-        with cls._lock:
-            cls._inside -= 1
-            if cls._inside == 0:
-                cls._previous.__exit__(*exc)
-                cls._previous = None
+        with _lock:
+            _inside -= 1
+            if _inside == 0:
+                F.scaled_dot_product_attention = _outside
+                _outside = None
         return False
 
 
 def unpatch() -> None:
-    """Restore PyTorch's own scaled_dot_product_attention."""
-    F.scaled_dot_product_attention = _PYTORCH_SDPA
+    """Restore PyTorch's own scaled_dot_product_attention (at once, or, while
+    the transformers backend's calls are inside, when the last one leaves)."""
+    if torch.compiler.is_compiling():
+        F.scaled_dot_product_attention = _PYTORCH_SDPA
+        return
+    with _lock:
+        _set(_PYTORCH_SDPA)
 
 
 # The name of earlier releases: `with openwam_sdpa.patched(): ...`.
