@@ -64,6 +64,31 @@ def _set(fn) -> None:
         F.scaled_dot_product_attention = fn
 
 
+def _refuse_context_parallel(previous) -> None:
+    # context_parallel's wrapper must stay in front of the op (patch() before
+    # entering it), or its calls skip the ring.
+    if is_context_parallel_wrapper(previous):
+        raise NotImplementedError(CONTEXT_PARALLEL_MESSAGE)
+
+
+def _exchange(fn, refuse_context_parallel=False):
+    """Make `fn` what F.sdpa is outside the backend's calls; returns what was.
+    Under torch.compile the tracer records a plain swap (a lock would break
+    the graph)."""
+    if torch.compiler.is_compiling():
+        previous = F.scaled_dot_product_attention
+        if refuse_context_parallel:
+            _refuse_context_parallel(previous)
+        F.scaled_dot_product_attention = fn
+        return previous
+    with _lock:
+        previous = _current()
+        if refuse_context_parallel:
+            _refuse_context_parallel(previous)
+        _set(fn)
+        return previous
+
+
 class patch:
     """Send torch.nn.functional.scaled_dot_product_attention to openwam_sdpa.
 
@@ -77,33 +102,14 @@ class patch:
 
     def __init__(self):
         # What was there before: PyTorch's function, our own, or a wrapper
-        # someone else installed. context_parallel's must stay in front of
-        # the op (patch() before entering it), or its calls skip the ring.
-        # Under torch.compile the tracer records the swap (a lock would break
-        # the graph).
-        if torch.compiler.is_compiling():
-            self._previous = F.scaled_dot_product_attention
-            self._check_previous()
-            F.scaled_dot_product_attention = _patched_sdpa
-            return
-        with _lock:
-            self._previous = _current()
-            self._check_previous()
-            _set(_patched_sdpa)
-
-    def _check_previous(self):
-        if is_context_parallel_wrapper(self._previous):
-            raise NotImplementedError(CONTEXT_PARALLEL_MESSAGE)
+        # someone else installed.
+        self._previous = _exchange(_patched_sdpa, refuse_context_parallel=True)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        if torch.compiler.is_compiling():
-            F.scaled_dot_product_attention = self._previous
-            return False
-        with _lock:
-            _set(self._previous)
+        _exchange(self._previous)
         return False
 
 
@@ -128,8 +134,7 @@ class patched_while_inside:
         with _lock:
             if _inside == 0:
                 previous = F.scaled_dot_product_attention
-                if is_context_parallel_wrapper(previous):
-                    raise NotImplementedError(CONTEXT_PARALLEL_MESSAGE)
+                _refuse_context_parallel(previous)
                 _outside = previous
                 F.scaled_dot_product_attention = _patched_sdpa
             _inside += 1
@@ -152,11 +157,7 @@ class patched_while_inside:
 def unpatch() -> None:
     """Restore PyTorch's own scaled_dot_product_attention (at once, or, while
     the transformers backend's calls are inside, when the last one leaves)."""
-    if torch.compiler.is_compiling():
-        F.scaled_dot_product_attention = _PYTORCH_SDPA
-        return
-    with _lock:
-        _set(_PYTORCH_SDPA)
+    _exchange(_PYTORCH_SDPA)
 
 
 # The name of earlier releases: `with openwam_sdpa.patched(): ...`.
