@@ -272,3 +272,68 @@ def test_cpu_training_with_attention_dropout_takes_the_sdpa_path():
     loss, calls = varlen_calls(lambda: model(**batch).loss)
     loss.backward()
     assert calls == 0 and torch.isfinite(loss)
+
+
+def prefix_lm_mask(lengths, prefix):
+    """[1, 1, T, T] bool: each sequence causal and apart, the first `prefix`
+    tokens of the first sequence seeing each other (a prefix-LM's mask)."""
+    total = sum(lengths)
+    sequence = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    first = torch.arange(total) < prefix
+    allowed = torch.ones(total, total, dtype=torch.bool).tril() | (first[:, None] & first[None, :])
+    return (allowed & (sequence[:, None] == sequence[None, :]))[None, None]
+
+
+@pytest.mark.parametrize("flash_kwargs", [True, False], ids=["cu_seq_lens", "position_ids"])
+def test_a_mask_beyond_the_packing_is_kept(flash_kwargs):
+    """A packed row whose mask asks more than the packing (a custom 4-D
+    prefix-LM mask here; Gemma 3's and PaliGemma's image blocks alike): the
+    packed route had run each sequence causal and dropped it (logits off by
+    0.33). It now reads the mask once per forward and takes the "sdpa" path
+    with it, as transformers' "sdpa" does."""
+    batch = {k: v for k, v in packed_batch(flash_kwargs).items() if k != "labels"}
+    batch["attention_mask"] = prefix_lm_mask(LENGTHS, prefix=5)
+    with torch.no_grad():
+        ours, calls = varlen_calls(lambda: tiny_model("llama")(**batch).logits)
+        ref = tiny_model("llama", "sdpa")(**batch).logits
+    assert calls == 0
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_the_mask_of_a_plain_packing_is_read_once_per_forward(monkeypatch):
+    """With use_cache off transformers builds the packing's own block-diagonal
+    mask: read once per forward (not per layer), it keeps the varlen path."""
+    from openwam_sdpa import transformers_integration as ti
+
+    reads = []
+    check = ti._mask_beyond_packing
+    monkeypatch.setattr(ti, "_mask_beyond_packing", lambda *a: reads.append(1) or check(*a))
+    batch = {k: v for k, v in packed_batch(False).items() if k != "labels"}
+    model = tiny_model("llama", use_cache=False)
+    with torch.no_grad():
+        for forward in range(2):
+            _, calls = varlen_calls(lambda: model(**batch).logits)
+            assert calls == LAYERS and len(reads) == forward + 1
+
+
+def test_padding_inside_a_packed_row_keeps_the_sequences_apart():
+    """A packed row padded at its end (the padding's positions going on from
+    the last sequence) with a 2-D attention mask: transformers sees no packing
+    then, and its "sdpa" lets the sequences see each other. The op takes the
+    "sdpa" path with the mask restricted to each sequence: the logits of
+    every sequence run alone."""
+    seqs, pad = sequences(), 3
+    ids = torch.tensor([sum(seqs, [])])
+    total = ids.shape[1]
+    pos = torch.cat([torch.arange(len(s)) for s in seqs[:-1]]
+                    + [torch.arange(len(seqs[-1]) + pad)])[None]
+    ids = torch.cat([ids, torch.zeros(1, pad, dtype=torch.long)], 1)
+    mask = torch.ones(1, total + pad, dtype=torch.long)
+    mask[0, total:] = 0
+    with torch.no_grad():
+        ours, calls = varlen_calls(lambda: tiny_model("llama")(
+            input_ids=ids, position_ids=pos, attention_mask=mask).logits[:, :total])
+        ref_model = tiny_model("llama", "sdpa")
+        ref = torch.cat([ref_model(input_ids=torch.tensor([s])).logits for s in seqs], 1)
+    assert calls == 0
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)

@@ -44,37 +44,42 @@ def unpad_enabled() -> bool:
 
 
 class _PerForward:
-    """One result per forward for the tensor that every layer of it receives
-    (the mask or the position_ids): computed at the forward's first layer,
-    reused by the layers after it.
+    """One result per forward for the tensors that every layer of it receives
+    (the mask, the position_ids, cu_seqlens): computed at the forward's first
+    layer, reused by the layers after it.
 
     A forward runs its layers in ascending `layer_idx`, so a call at a layer
     no later than the one that computed the result starts a new forward and
     computes afresh: a tensor refilled between forwards without a version
     bump (through .data, a numpy view, or an inference tensor, which has no
     version counter) is read again. Gradient checkpointing's recomputation
-    (later layers, the same tensor) reuses it. A module without `layer_idx`
+    (later layers, the same tensors) reuses it. A module without `layer_idx`
     computes on every call. Thread-local: two threads' forwards do not mix.
     """
 
     def __init__(self):
         self._local = threading.local()
 
-    def get(self, tensor, module, compute):
+    def get(self, tensors, module, compute):
+        """compute(*tensors), or this forward's earlier result for the same
+        tensors (a tuple; None entries allowed)."""
         layer = getattr(module, "layer_idx", None)
-        version = None if tensor.is_inference() else tensor._version
+        versions = tuple(None if t is None or t.is_inference() else t._version for t in tensors)
         entry = getattr(self._local, "entry", None)
-        if (entry is not None and layer is not None and entry[0]() is tensor
-                and entry[1] == version and layer > entry[2]):
+        if (entry is not None and layer is not None and layer > entry[2]
+                and entry[1] == versions and len(entry[0]) == len(tensors)
+                and all((r() if r is not None else None) is t for r, t in zip(entry[0], tensors))):
             return entry[3]
-        value = compute(tensor)
+        value = compute(*tensors)
         if layer is not None:
-            self._local.entry = (weakref.ref(tensor), version, layer, value)
+            refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
+            self._local.entry = (refs, versions, layer, value)
         return value
 
 
 _from_position_ids = _PerForward()
 _from_mask = _PerForward()
+_mask_check = _PerForward()
 
 
 def _boundaries_from_position_ids(position_ids):
@@ -128,6 +133,35 @@ def _rows_from_mask(mask, is_causal):
     return indices, cu, max_len
 
 
+def _mask_beyond_packing(mask, cu, is_causal, cu_k=None):
+    """None where the bool mask [1, 1|H, T, T] that transformers built for a
+    packed row lets every query see exactly what varlen_sdpa gives it within
+    its own sequence (its keys, up to itself if causal), as a plain
+    packing's mask does. Else the mask the "sdpa" path takes instead: this
+    one restricted to each sequence. A mask can ask more than the packing:
+    Gemma 3's and PaliGemma's bidirectional image blocks, a custom 4-D mask
+    (a prefix-LM's), padding inside the row. The packed route had dropped it
+    (a prefix-LM mask: logits off by 0.33). Outside the sequences the mask
+    may say anything: where transformers does not see the packing (with a
+    cache) its mask crosses them. `cu_k`, where the caller gave keys their
+    own cu_seqlens, must equal `cu` (else the mask as it is). One host sync."""
+    import torch
+
+    total = mask.shape[-1]
+    rows = torch.arange(total, device=cu.device, dtype=cu.dtype)
+    sequence = torch.searchsorted(cu[1:].contiguous(), rows, right=True)
+    same = sequence[:, None] == sequence[None, :]
+    allowed = same.tril() if is_causal else same
+    agrees = ((mask == allowed) | ~same).all()
+    one_packing = agrees.new_ones(())
+    if cu_k is not None:
+        one_packing = (cu_k.to(cu) == cu).all() if cu_k.shape == cu.shape else ~one_packing
+    agrees, one_packing = torch.stack([agrees, one_packing]).tolist()
+    if not one_packing:
+        return mask
+    return None if agrees else mask & same
+
+
 def _is_causal(module, kwargs):
     """transformers' rule: the call's is_causal, else the module's (default True)."""
     is_causal = kwargs.get("is_causal")
@@ -175,21 +209,26 @@ def packed_attention(module, query, key, value, attention_mask, **kwargs):
     # (one cu_seqlens tensor, so FlashAttention-2 may serve causal calls).
     if q_len != key.shape[2]:
         return None
-    cu = kwargs.get("cu_seq_lens_q")
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     max_len = kwargs.get("max_length_q")
-    if batch == 1 and cu is not None and max_len is not None:
-        cu = cu.to(device=query.device, dtype=torch.int32)
+    if batch == 1 and cu_q is not None and max_len is not None:
         max_len = int(max_len)
+        # Keys packed otherwise than queries: "sdpa", which reads the mask.
+        if kwargs.get("max_length_k") is not None and int(kwargs["max_length_k"]) != max_len:
+            return None
+        cu = cu_q.to(device=query.device, dtype=torch.int32)
+        source, cu_k = (cu_q, cu_k), (None if cu_k is None or cu_k is cu_q else cu_k)
     elif batch == 1 and kwargs.get("position_ids") is not None:
-        found = _from_position_ids.get(kwargs["position_ids"], module,
+        found = _from_position_ids.get((kwargs["position_ids"],), module,
                                        _boundaries_from_position_ids)
         if found is None:
             return None
         cu, max_len = found
+        source, cu_k = (cu,), None
     elif batch > 1 and attention_mask is not None and attention_mask.dim() == 4 \
             and unpad_enabled():
         causal = _is_causal(module, kwargs)
-        rows = _from_mask.get(attention_mask, module, lambda m: _rows_from_mask(m, causal))
+        rows = _from_mask.get((attention_mask,), module, lambda m: _rows_from_mask(m, causal))
         if rows is None:
             return None
         indices, cu, max_len = rows
@@ -200,9 +239,29 @@ def packed_attention(module, query, key, value, attention_mask, **kwargs):
         return full.view(batch, q_len, *out.shape[1:]), None
     else:
         return None
+    if attention_mask is not None:
+        if attention_mask.dim() != 4 or attention_mask.shape[0] != 1 \
+                or attention_mask.shape[-2:] != (q_len, q_len):
+            return None
+        causal = _is_causal(module, kwargs)
+        dense = _mask_check.get((attention_mask,) + source, module,
+                                lambda *_: _mask_beyond_packing(attention_mask, cu, causal, cu_k))
+        if dense is not None:
+            return sdpa_path(module, query, key, value, dense, **kwargs)
     q, k, v, a = _varlen(module, query, key, value, cu, max_len, kwargs)
     out = _run(q, k, v, a)
     return out.view(batch, q_len, *out.shape[1:]), None
+
+
+_sdpa_attention_forward = None  # transformers', set by register()
+
+
+def sdpa_path(module, query, key, value, attention_mask, **kwargs):
+    """transformers' "sdpa" attention, which calls
+    F.scaled_dot_product_attention, with the op patched in for the call
+    (patching.py says why not patch() itself)."""
+    with patched_while_inside():
+        return _sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def register() -> bool:
@@ -215,16 +274,14 @@ def register() -> bool:
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     except ImportError:
         return False
+    global _sdpa_attention_forward
+    _sdpa_attention_forward = sdpa_attention_forward
 
     def openwam_attention_forward(module, query, key, value, attention_mask, **kwargs):
         packed = packed_attention(module, query, key, value, attention_mask, **kwargs)
         if packed is not None:
             return packed
-        # transformers' "sdpa" attention, which calls
-        # F.scaled_dot_product_attention, with the op patched in for the call
-        # (patching.py says why not patch() itself).
-        with patched_while_inside():
-            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return sdpa_path(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(NAME, openwam_attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
