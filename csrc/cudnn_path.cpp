@@ -13,6 +13,7 @@
 
 #include "autograd_node.h"
 #include "cudnn_attention.h"
+#include "decision.h"
 #include "ops.h"
 #include "padding.h"
 
@@ -117,9 +118,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cudnn_sdpa_autograd(
       "Trying to use forward AD with openwam::_cudnn_sdpa that does not support it because "
       "it has not been implemented yet.");
   const bool needs_grad = torch::autograd::compute_requires_grad(query, key, value);
-  TORCH_CHECK(!needs_grad || compute_log_sumexp,
-              "openwam::_cudnn_sdpa: a call that needs a gradient must compute "
-              "the logsumexp (compute_log_sumexp=True)");
+  if (needs_grad && !compute_log_sumexp) {
+    // A call recorded without gradients and run with them: an exported
+    // program after run_decompositions() holds the inference forward and the
+    // empty plan its no-grad trace chose (as sdpa_varlen's leaf op, whose
+    // autograd kernel says the same). It takes the training forward and the
+    // plan decide() gives a differentiated call of this shape.
+    const SdpaCall call{query, key, value, attn_bias, dropout_p, is_causal, scale,
+                        /*enable_gqa=*/query.sym_size(1) != key.sym_size(1)};
+    const CallShape shape = shape_of(call);
+    const GuardVerdict verdict = check_guards(shape, runtime_cudnn_version());
+    TORCH_CHECK(verdict.avoid == nullptr,
+                "openwam::_cudnn_sdpa: this call was recorded without gradients (an exported "
+                "program after run_decompositions() keeps what its trace chose), and guard "
+                "rule ", verdict.avoid != nullptr ? verdict.avoid->name : "",
+                " keeps its differentiated form off cuDNN; export from a call whose inputs "
+                "require grad, or keep openwam::sdpa undecomposed");
+    plan = plan_for(verdict, shape, current_settings().pad).to_int();
+    compute_log_sumexp = true;
+  }
   TORCH_CHECK(!at::GradMode::is_enabled() || !attn_bias.has_value() ||
                   !attn_bias->requires_grad(),
               "openwam::_cudnn_sdpa: attn_bias must not require grad (the cuDNN "

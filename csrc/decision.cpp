@@ -35,7 +35,16 @@ Decision routed(Route route, const char* reason) {
   return d;
 }
 
-// The plan for a differentiated cuDNN call under the OPENWAM_SDPA_PAD mode.
+// Inputs batched by torch.func.vmap (functorch's BatchedTensorImpl).
+bool batched(const SdpaCall& c) {
+  const c10::DispatchKeySet keys({c10::DispatchKey::FuncTorchBatched,
+                                  c10::DispatchKey::BatchedNestedTensor});
+  const auto is = [&keys](const at::Tensor& t) { return t.key_set().has_any(keys); };
+  return is(c.query) || is(c.key) || is(c.value) || (c.attn_mask && is(*c.attn_mask));
+}
+
+}  // namespace
+
 Plan plan_for(const GuardVerdict& verdict, const CallShape& shape, PadMode pad) {
   switch (pad) {
     case PadMode::kNever:
@@ -55,16 +64,6 @@ Plan plan_for(const GuardVerdict& verdict, const CallShape& shape, PadMode pad) 
   }
   TORCH_INTERNAL_ASSERT(false, "unknown PadMode");
 }
-
-// Inputs batched by torch.func.vmap (functorch's BatchedTensorImpl).
-bool batched(const SdpaCall& c) {
-  const c10::DispatchKeySet keys({c10::DispatchKey::FuncTorchBatched,
-                                  c10::DispatchKey::BatchedNestedTensor});
-  const auto is = [&keys](const at::Tensor& t) { return t.key_set().has_any(keys); };
-  return is(c.query) || is(c.key) || is(c.value) || (c.attn_mask && is(*c.attn_mask));
-}
-
-}  // namespace
 
 const char* to_string(Route route) {
   switch (route) {

@@ -253,10 +253,20 @@ def test_logsumexp_is_empty_unless_asked():
     assert lse.numel() == 0 and out.shape == q.shape
 
 
-def test_differentiating_without_logsumexp_raises():
-    (q, k, v), _, _, _ = inputs()
-    with pytest.raises(RuntimeError, match="must compute the logsumexp"):
-        FWD(q, k, v, None, 0.0, False, None, False, 0)
+def test_a_call_recorded_without_gradients_trains():
+    """An exported program after run_decompositions() holds the leaf op as its
+    no-grad trace called it (compute_log_sumexp=False, the empty plan). Run
+    with inputs that require grad, the call takes the training forward and the
+    plan decide() gives a differentiated call (on the CPU, with no cuDNN:
+    none): its gradients are the attention's. It had raised."""
+    (q, k, v), mask, bias, causal = inputs(mask="bool")
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+    out, lse, _, _ = FWD(q, k, v, bias, 0.0, causal, None, False, 0)
+    assert lse.numel() > 0
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    ref, _ = reference(q, k, v, grad_out, mask, causal, enable_gqa=True)
+    for name, a, b in zip(("dq", "dk", "dv"), grads, ref[1:]):
+        assert_close(a.double(), b, 5e-5, 5e-5, name)
 
 
 def test_invalid_plan_raises():
