@@ -314,10 +314,11 @@ if ((want_doctor)); then
   say "doctor: python -m openwam_sdpa doctor"
   (cd /tmp && run_limited 120 "$OUT/doctor.txt" "$PY" -m openwam_sdpa doctor)
   rc=$?
-  # Exit 0 (not affected) and 1 (affected, openwam_sdpa fixes it) are both a
-  # working doctor; 3 means openwam_sdpa itself gave non-finite gradients.
+  # Exit 0 (not affected) and 4 (affected, openwam_sdpa fixes it) are both a
+  # working doctor; 3 means openwam_sdpa itself gave non-finite gradients, 1
+  # that the command failed.
   case $rc in
-    0|1) st_doctor="ok (exit $rc): $(grep '^verdict:' "$OUT/doctor.txt" | cut -c10-120)" ;;
+    0|4) st_doctor="ok (exit $rc): $(grep '^verdict:' "$OUT/doctor.txt" | cut -c10-120)" ;;
     *) st_doctor="FAILED (exit $rc): $(tail -1 "$OUT/doctor.txt" | cut -c1-120)" ;;
   esac
   say "doctor: $st_doctor"

@@ -165,8 +165,12 @@ py::dict guard_hits(const at::Tensor& query, const at::Tensor& key, const at::Te
   // too, without gradients: SdpaCall::takes_training_forward says why).
   hits["planned"] = call.takes_training_forward();
   hits["rules"] = names;
-  if (!call.takes_training_forward() || (query.dim() != 3 && query.dim() != 4)) {
-    return hits;  // no plan, or never on the cuDNN path
+  // What the cuDNN path refuses (fp32, head_dim 100, dropout with one query
+  // row...) goes to PyTorch on a GPU, with no plan and no rule.
+  const char* rejected = openwam::cudnn_rejects(call);
+  hits["cudnn_rejects"] = rejected != nullptr ? py::object(py::str(rejected)) : py::none();
+  if (!call.takes_training_forward() || rejected != nullptr) {
+    return hits;
   }
   for (const openwam::GuardRule* rule :
        openwam::rules_covering(openwam::shape_of(call), cudnn_version)) {
@@ -192,6 +196,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("attn_mask"), py::arg("dropout_p"), py::arg("is_causal"), py::arg("scale"),
         py::arg("enable_gqa"), py::arg("cudnn_version"),
         "{'planned': whether the call takes a fix plan (with gradients or dropout), "
+        "'cudnn_rejects': why the cuDNN path cannot take it (None if it can), "
         "'rules': the guard rules that then cover it on this cuDNN version}.");
   m.def("key_tail_defect", &openwam::key_tail_defect, py::arg("cudnn_version"),
         py::arg("s_kv"), py::arg("head_dim"), py::arg("is_causal") = false,

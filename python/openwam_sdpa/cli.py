@@ -4,7 +4,8 @@ What prints is here; doctor.py gathers the doctor's facts and verdict (and
 imports nothing of this module).
 
 Exit codes mean one thing each, whatever the command (EXIT_CODES below):
-argparse's 2 is the usage error, so the doctor's verdicts use 0, 1 and 3.
+Python's 1 is an uncaught error and argparse's 2 the usage error, so the
+doctor's verdicts use 0, 3 and 4.
 """
 
 import argparse
@@ -18,15 +19,17 @@ import torch
 from . import doctor, ops
 from ._extension import _C
 
+EXIT_ERROR = 1  # Python's own code for an uncaught error
 EXIT_USAGE = 2  # argparse's own code for a bad command line
 
 EXIT_CODES = f"""\
 exit codes:
   {doctor.EXIT_OK}  success; doctor: nothing to do (not affected, or no CUDA GPU here)
-  {doctor.EXIT_AFFECTED}  doctor: this stack is affected, and openwam_sdpa fixes it
+  {EXIT_ERROR}  the command failed (an uncaught error, with its traceback)
   {EXIT_USAGE}  usage error: unknown command, bad argument or bad OPENWAM_SDPA_* setting
      (argparse's code)
-  {doctor.EXIT_BROKEN}  doctor: openwam_sdpa itself gave non-finite gradients"""
+  {doctor.EXIT_BROKEN}  doctor: openwam_sdpa itself gave non-finite gradients
+  {doctor.EXIT_AFFECTED}  doctor: this stack is affected, and openwam_sdpa fixes it"""
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
           "fp64": torch.float64}
@@ -258,11 +261,14 @@ def explain(call):
             answer["shipped_cudnn_key_tail"] = dict(cudnn=shipped, hit=bool(hit), status=status)
             # A call with dropout takes the plan without gradients too (C++ says
             # which calls take one: SdpaCall::takes_training_forward).
-            planned, hits = hits["planned"], hits["rules"]
+            planned, rejected, hits = hits["planned"], hits["cudnn_rejects"], hits["rules"]
             answer["shipped_cudnn_rules"] = hits
             table = (f"the guard table for cuDNN {doctor.minor_str(shipped)} (what torch "
                      f"{torch.__version__.split('+')[0]}'s CUDA builds ship, {status})")
-            if not planned:
+            if rejected:
+                answer["notes"].append(f"{table}: the cuDNN path cannot take this call "
+                                       f"({rejected}): no rule applies")
+            elif not planned:
                 answer["notes"].append(f"{table}: no rule applies to a call without gradients "
                                        "(the defects are in the backward)")
             elif hits:
@@ -402,8 +408,15 @@ def run_doctor(as_json=False):
 
 def main(argv=None):
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, unknown = parser.parse_known_args(argv)  # exits EXIT_USAGE on a bad command line
     if unknown:
+        # `--json doctor`: the command's options go after it.
+        ahead = argv[:argv.index(args.command)] if args.command in argv else []
+        misplaced = [a for a in unknown if a in ahead]
+        if misplaced:
+            parser.error(f"{' '.join(misplaced)} goes after the command: "
+                         f"{args.command} {' '.join(misplaced)}")
         getattr(args, "subparser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help(sys.stderr)

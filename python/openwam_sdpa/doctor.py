@@ -15,10 +15,12 @@ path) and through openwam_sdpa, counting non-finite gradient elements:
 Exit codes (the command line's, cli.py, one meaning each):
 
   0  nothing to do: not affected, or no CUDA GPU here to be affected
-  1  this stack is affected (stock SDPA gives NaN, or the guard table lists
-     it) and openwam_sdpa fixes it
+  1  the command failed (Python's code for an uncaught error, such as an
+     extension built for another torch; never a verdict)
   2  usage error (argparse's code; never a verdict)
   3  openwam_sdpa itself gave non-finite gradients
+  4  this stack is affected (stock SDPA gives NaN, or the guard table lists
+     it) and openwam_sdpa fixes it
 """
 
 import re
@@ -29,8 +31,9 @@ import torch.nn.functional as F
 from . import ops
 from .adversarial import adversarial_inputs, left_padding_mask
 
-# 2 is argparse's code for a usage error: no verdict reuses it.
-EXIT_OK, EXIT_AFFECTED, EXIT_BROKEN = 0, 1, 3
+# 1 is Python's code for an uncaught error and 2 argparse's for a usage
+# error: no verdict reuses them, so a script can tell a verdict from a crash.
+EXIT_OK, EXIT_AFFECTED, EXIT_BROKEN = 0, 4, 3
 
 ADVERSARIAL = dict(batch=2, heads=4, s_q=128, s_kv=704, head_dim=128)
 LEFT_PADDED = dict(batch=2, heads=4, s=704, head_dim=128, padding=64)
