@@ -257,20 +257,26 @@ def test_explain_json_is_strict_json(capsys):
     assert json.loads(out, parse_constant=refuse)["call"]["scale"] == "nan"
 
 
+@pytest.mark.parametrize("variable,error", [
+    ("OPENWAM_SDPA_PAD", "openwam::sdpa: environment variable OPENWAM_SDPA_PAD must be 'auto', "
+                         "'always' or 'never', got 'sometimes'"),
+    # (the doctor had passed a bad varlen engine, on which every varlen_sdpa call raises)
+    ("OPENWAM_SDPA_VARLEN", "openwam::sdpa_varlen: environment variable OPENWAM_SDPA_VARLEN "
+                            "must be 'auto', 'flash', 'cudnn' or 'block_diagonal', got 'sometimes'"),
+])
 @pytest.mark.parametrize("command", ["doctor", "explain"])
-def test_a_bad_setting_is_one_line_and_the_usage_code(command):
+def test_a_bad_setting_is_one_line_and_the_usage_code(command, variable, error):
     """Every call of the op raises on a bad OPENWAM_SDPA_* value; the commands
     that read the settings say so in one line and exit 2, not with a
     traceback and the doctor's 'affected' code."""
     import os
 
-    env = dict(os.environ, OPENWAM_SDPA_PAD="sometimes")
+    env = dict(os.environ, **{variable: "sometimes"})
     result = subprocess.run([sys.executable, "-m", "openwam_sdpa", command], capture_output=True,
                             text=True, timeout=300, env=env)
     assert result.returncode == cli.EXIT_USAGE and result.stdout == "", result.stderr
     assert result.stderr.strip().splitlines() == [
-        f"python -m openwam_sdpa {command}: error: openwam::sdpa: environment variable "
-        "OPENWAM_SDPA_PAD must be 'auto', 'always' or 'never', got 'sometimes'"], result.stderr
+        f"python -m openwam_sdpa {command}: error: {error}"], result.stderr
 
 
 @pytest.mark.parametrize("command", ["doctor", "explain", "guards"])
@@ -463,6 +469,16 @@ def test_guards_without_a_gpu_read_the_shipped_cudnn(capsys):
     assert table["cudnn_source"] == ("shipped" if shipped else "none")
     assert table["cudnn"] == (shipped or 0)
     assert table["summary"] == doctor.coverage(shipped or 0)["summary"]
+
+
+@NO_GPU
+def test_guards_without_any_cudnn_put_no_row_in_range(capsys, monkeypatch):
+    """No cuDNN loaded and a torch that is no known pair: version 0, which no
+    row's range holds (rows from version 0 on had said in_range)."""
+    monkeypatch.setattr(doctor, "shipped_cudnn", lambda version: None)
+    table = guards_json(capsys)
+    assert table["cudnn"] == 0 and table["cudnn_source"] == "none"
+    assert not any(r["in_range"] or r["applies"] for r in table["rules"])
 
 
 def test_guards_report(capsys):

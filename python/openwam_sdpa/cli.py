@@ -18,6 +18,7 @@ import torch
 
 from . import doctor, ops
 from ._extension import _C
+from .varlen import varlen_settings
 
 EXIT_ERROR = 1  # Python's own code for an uncaught error
 EXIT_USAGE = 2  # argparse's own code for a bad command line
@@ -145,7 +146,8 @@ def build_parser():
     p.add_argument("--mask", choices=["none", "bool", "additive"], default="none",
                    help="attn_mask of shape [batch, 1, q_len, kv_len]: bool (True: attend, as "
                         "Hugging Face's sdpa mask) or additive in --dtype (default none)")
-    p.add_argument("--causal", action="store_true", help="is_causal=True (not with --mask)")
+    p.add_argument("--causal", action="store_true",
+                   help="is_causal=True (with --mask, as F.sdpa: PyTorch's backends decide)")
     p.add_argument("--dropout", type=float, metavar="P", default=0.0, help="dropout_p (default 0)")
     p.add_argument("--scale", type=float, metavar="S", help="scale (default 1/sqrt(head_dim))")
     p.add_argument("--inference", action="store_true",
@@ -347,7 +349,7 @@ def guard_table(cudnn=None):
     first_of = {doctor.defect_of(r["name"]): r["name"] for r in cov["rules"]}
     rows = []
     for r in ops.guard_rules():
-        in_range = r["first_version"] <= version < r["end_version"]
+        in_range = bool(version) and r["first_version"] <= version < r["end_version"]
         behind = first_of.get(doctor.defect_of(r["name"])) if in_range else None
         rows.append(dict(r, applies=r["name"] in applying, in_range=in_range,
                          behind=None if behind == r["name"] else behind,
@@ -426,6 +428,7 @@ def main(argv=None):
         # every call of the op would raise the same. One line, the usage code.
         try:
             ops.settings()
+            varlen_settings()
         except RuntimeError as e:
             print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr)
             return EXIT_USAGE
