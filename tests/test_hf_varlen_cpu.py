@@ -382,3 +382,28 @@ def test_gemma3_image_blocks_in_a_packed_row(flash_kwargs):
         packed, calls = varlen_calls(lambda: model(**batch).logits[0])
     torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-4, atol=1e-5)
     assert calls == 0
+
+
+@pytest.mark.parametrize("use_cache", [False, True], ids=["use_cache_off", "model_default"])
+@pytest.mark.parametrize("flash_kwargs", [True, False], ids=["cu_seq_lens", "position_ids"])
+def test_sliding_window_layers_keep_packed_sequences_apart(use_cache, flash_kwargs):
+    """Sliding-window layers (Mistral's here) take "sdpa": varlen_sdpa has no
+    window. transformers' mask for them crosses the sequences of a packed row
+    where it does not see the packing (with a cache, the model's default):
+    the op restricts it to each sequence, so every sequence gets the logits
+    it gets alone, whatever use_cache says (they had crossed: the pitfall of
+    the test above, on the window's layers)."""
+    from transformers import MistralConfig
+
+    config = MistralConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=LAYERS, num_attention_heads=4,
+                           num_key_value_heads=2, sliding_window=6, use_cache=use_cache)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="openwam_sdpa").eval()
+    batch = {k: v for k, v in packed_batch(flash_kwargs).items() if k != "labels"}
+    with torch.no_grad():
+        packed, calls = varlen_calls(lambda: model(**batch).logits[0])
+        model.set_attn_implementation("sdpa")
+        alone = torch.cat([model(input_ids=torch.tensor([s])).logits[0] for s in sequences()])
+    assert calls == 0
+    torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-5)

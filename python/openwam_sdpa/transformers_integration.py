@@ -80,6 +80,7 @@ class _PerForward:
 _from_position_ids = _PerForward()
 _from_mask = _PerForward()
 _mask_check = _PerForward()
+_apart = _PerForward()
 
 
 def _boundaries_from_position_ids(position_ids):
@@ -133,6 +134,26 @@ def _rows_from_mask(mask, is_causal):
     return indices, cu, max_len
 
 
+def _same_sequence(cu, total):
+    """[T, T] bool: whether packed rows i and j lie in one sequence of `cu`
+    (no host sync)."""
+    import torch
+
+    rows = torch.arange(total, device=cu.device, dtype=cu.dtype)
+    sequence = torch.searchsorted(cu[1:].contiguous(), rows, right=True)
+    return sequence[:, None] == sequence[None, :]
+
+
+def _within_sequences(mask, cu, total, is_causal):
+    """A packed row's bool mask [1, 1|H, T, T] restricted to each sequence;
+    for no mask (causal, or full if not), the causal or full mask of each
+    sequence."""
+    same = _same_sequence(cu, total)
+    if mask is None:
+        return (same.tril() if is_causal else same)[None, None]
+    return mask & same
+
+
 def _mask_beyond_packing(mask, cu, is_causal, cu_k=None):
     """None where the bool mask [1, 1|H, T, T] that transformers built for a
     packed row lets every query see exactly what varlen_sdpa gives it within
@@ -147,10 +168,7 @@ def _mask_beyond_packing(mask, cu, is_causal, cu_k=None):
     own cu_seqlens, must equal `cu` (else the mask as it is). One host sync."""
     import torch
 
-    total = mask.shape[-1]
-    rows = torch.arange(total, device=cu.device, dtype=cu.dtype)
-    sequence = torch.searchsorted(cu[1:].contiguous(), rows, right=True)
-    same = sequence[:, None] == sequence[None, :]
+    same = _same_sequence(cu, mask.shape[-1])
     # In place: three [T, T] bools at most (T = 16k: 0.8 GB for a moment).
     beyond = torch.logical_xor(mask, same.tril() if is_causal else same)
     beyond &= same
@@ -162,7 +180,7 @@ def _mask_beyond_packing(mask, cu, is_causal, cu_k=None):
     agrees, one_packing = torch.stack([agrees, one_packing]).tolist()
     if not one_packing:
         return mask
-    return None if agrees else mask & same
+    return None if agrees else _within_sequences(mask, cu, mask.shape[-1], is_causal)
 
 
 def _is_causal(module, kwargs):
@@ -191,27 +209,28 @@ def _run(q, k, v, a):
 
 
 def packed_attention(module, query, key, value, attention_mask, **kwargs):
-    """The varlen path for this call, or None when it does not apply.
-    Returns (attn_output [B, S, H, Ev], None) as transformers' attention
-    functions do."""
+    """The attention of a packed row (varlen_sdpa, or "sdpa" with its
+    sequences kept apart where varlen_sdpa does not compute the layer), or
+    of a padded batch under OPENWAM_SDPA_UNPAD; None where transformers'
+    "sdpa" applies as it is. Returns (attn_output [B, S, H, Ev], None) as
+    transformers' attention functions do."""
     import torch
 
-    if any(kwargs.get(name) is not None for name in _UNSUPPORTED):
-        return None
-    if getattr(module, "sliding_window", None) is not None:
-        return None
     # A float mask may carry a bias (Falcon's ALiBi), which varlen_sdpa has no
     # place for; transformers' own sdpa masks are bool.
     if attention_mask is not None and attention_mask.dtype != torch.bool:
-        return None
-    # varlen_sdpa's CPU reference has no dropout; "sdpa" trains with it there.
-    if kwargs.get("dropout", 0.0) and not query.is_cuda:
         return None
     batch, _, q_len, _ = query.shape
     # Self-attention over the same tokens: queries and keys share boundaries
     # (one cu_seqlens tensor, so FlashAttention-2 may serve causal calls).
     if q_len != key.shape[2]:
         return None
+    # What varlen_sdpa does not compute: softcapping, sinks, a sliding window,
+    # and dropout on the CPU (its reference has none there; "sdpa" trains
+    # with it). A packed row takes "sdpa" then, its sequences kept apart.
+    varlen_computes = not (any(kwargs.get(name) is not None for name in _UNSUPPORTED)
+                           or getattr(module, "sliding_window", None) is not None
+                           or (kwargs.get("dropout", 0.0) and not query.is_cuda))
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     max_len = kwargs.get("max_length_q")
     if batch == 1 and cu_q is not None and max_len is not None:
@@ -229,7 +248,7 @@ def packed_attention(module, query, key, value, attention_mask, **kwargs):
         cu, max_len = found
         source, cu_k = (cu,), None
     elif batch > 1 and attention_mask is not None and attention_mask.dim() == 4 \
-            and unpad_enabled():
+            and varlen_computes and unpad_enabled():
         causal = _is_causal(module, kwargs)
         rows = _from_mask.get((attention_mask,), module, lambda m: _rows_from_mask(m, causal))
         if rows is None:
@@ -242,11 +261,18 @@ def packed_attention(module, query, key, value, attention_mask, **kwargs):
         return full.view(batch, q_len, *out.shape[1:]), None
     else:
         return None
+    if attention_mask is not None and (attention_mask.dim() != 4 or attention_mask.shape[0] != 1
+                                       or attention_mask.shape[-2:] != (q_len, q_len)):
+        return None
+    causal = _is_causal(module, kwargs)
+    if not varlen_computes:
+        # transformers' own mask crosses the sequences where it does not see
+        # the packing (with a cache): restricted to each sequence, as the
+        # varlen path attends.
+        mask = _apart.get((attention_mask,) + source, module,
+                          lambda *_: _within_sequences(attention_mask, cu, q_len, causal))
+        return sdpa_path(module, query, key, value, mask, **kwargs)
     if attention_mask is not None:
-        if attention_mask.dim() != 4 or attention_mask.shape[0] != 1 \
-                or attention_mask.shape[-2:] != (q_len, q_len):
-            return None
-        causal = _is_causal(module, kwargs)
         dense = _mask_check.get((attention_mask,) + source, module,
                                 lambda *_: _mask_beyond_packing(attention_mask, cu, causal, cu_k))
         if dense is not None:
