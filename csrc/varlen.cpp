@@ -68,6 +68,9 @@ void check_varlen_arguments(const VarlenCall& c) {
   const c10::SymInt& h = q.sym_size(1);
   const c10::SymInt& h_kv = k.sym_size(1);
   TORCH_CHECK(h_kv > 0, op, "key and value must have at least one head");
+  // (with enable_gqa, 0 query heads had passed as a multiple of the key's
+  // and the CPU reference divided by them: SIGFPE)
+  TORCH_CHECK(h > 0, op, "query must have at least one head");
   if (c.enable_gqa) {
     TORCH_CHECK(h % h_kv == 0, op,
                 "with enable_gqa=True the query's heads must be a multiple of the key's, got ",
@@ -90,9 +93,11 @@ void check_varlen_arguments(const VarlenCall& c) {
   TORCH_CHECK(c.cu_seqlens_q.sym_size(0) == c.cu_seqlens_k.sym_size(0), op,
               "cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got ",
               c.cu_seqlens_q.sym_size(0), " and ", c.cu_seqlens_k.sym_size(0));
-  TORCH_CHECK(c.max_seqlen_q >= 0 && c.max_seqlen_k >= 0, op,
-              "max_seqlen_q and max_seqlen_k must not be negative, got ", c.max_seqlen_q,
-              " and ", c.max_seqlen_k);
+  // A runtime assert, not a guard, where a traced max_seqlen is read from the
+  // data (cu_seqlens.diff().max().item() under torch.compile).
+  TORCH_SYM_CHECK(c.max_seqlen_q.sym_ge(0).sym_and(c.max_seqlen_k.sym_ge(0)), op,
+                  "max_seqlen_q and max_seqlen_k must not be negative, got ", c.max_seqlen_q,
+                  " and ", c.max_seqlen_k);
   TORCH_CHECK(c.dropout_p >= 0.0 && c.dropout_p < 1.0, op,
               "dropout_p must be in [0, 1), got ", c.dropout_p);
   if (c.is_causal && c.same_lengths()) {
@@ -172,6 +177,19 @@ at::Tensor block_diagonal(const VarlenCall& c) {
   return out.masked_fill(keyless.view({-1, 1, 1}), 0);
 }
 
+// Whether the offsets can be read here: plain CPU tensors of a call with
+// concrete sizes (not fake or functional tensors a tracer holds).
+bool offsets_on_host(const VarlenCall& c) {
+  const c10::DispatchKeySet traced({c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
+  for (const at::Tensor* cu : {&c.cu_seqlens_q, &c.cu_seqlens_k}) {
+    if (!cu->device().is_cpu() || cu->key_set().has_any(traced)) {
+      return false;
+    }
+  }
+  return !c.query.sym_size(0).is_symbolic() && !c.key.sym_size(0).is_symbolic() &&
+         !c.max_seqlen_q.is_symbolic() && !c.max_seqlen_k.is_symbolic();
+}
+
 at::Tensor sdpa_varlen(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                        const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                        c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k, bool is_causal,
@@ -184,6 +202,13 @@ at::Tensor sdpa_varlen(const at::Tensor& query, const at::Tensor& key, const at:
     warn_once(*d.rule);
   }
   if (d.backend == VarlenBackend::kBlockDiagonal) {
+    if (offsets_on_host(call)) {
+      // As the CPU reference checks them (OPENWAM_SDPA_VARLEN=block_diagonal
+      // on the CPU had run bad offsets). On CUDA reading them would be a host
+      // sync; under a tracer they have no values.
+      check_varlen_lengths(cu_seqlens_q, cu_seqlens_k, query.size(0), key.size(0),
+                           max_seqlen_q.expect_int(), max_seqlen_k.expect_int());
+    }
     return block_diagonal(call);
   }
   return std::get<0>(ops::sdpa_varlen_forward().call(

@@ -267,6 +267,29 @@ def test_errors_name_the_argument(mutate, message):
                                  a["max_k"], dropout_p=a["dropout_p"])
 
 
+@pytest.mark.parametrize("name", ["last_not_total", "first_not_zero", "decreasing",
+                                  "max_too_small"])
+def test_the_block_diagonal_engine_checks_cpu_offsets(monkeypatch, name):
+    """OPENWAM_SDPA_VARLEN=block_diagonal on the CPU checks the offsets as the
+    reference does (it had run them: a finite, wrong answer; found in review)."""
+    monkeypatch.setenv("OPENWAM_SDPA_VARLEN", "block_diagonal")
+    openwam_sdpa.varlen_settings(reload=True)
+    try:
+        test_errors_name_the_argument(*ERRORS[name])
+    finally:
+        monkeypatch.delenv("OPENWAM_SDPA_VARLEN")
+        openwam_sdpa.varlen_settings(reload=True)
+
+
+def test_a_query_without_heads_raises():
+    """0 query heads passed enable_gqa's divisibility check (0 % 2 == 0), and
+    the CPU reference divided by them: the process died of SIGFPE (found in
+    review). It raises as 0 key/value heads do."""
+    q, k, v, cu_q, cu_k, max_q, max_k = packed([4, 2], H=2, Hkv=2, requires_grad=False)
+    with pytest.raises(RuntimeError, match="query must have at least one head"):
+        openwam_sdpa.varlen_sdpa(q[:, :0], k, v, cu_q, cu_k, max_q, max_k, enable_gqa=True)
+
+
 def test_gqa_heads_must_divide():
     q, k, v, cu_q, cu_k, max_q, max_k = packed([4, 2], H=3, Hkv=2, requires_grad=False)
     with pytest.raises(RuntimeError, match="multiple of the key's, got 3 query heads and 2"):
@@ -322,6 +345,22 @@ def test_compile_dynamic_no_recompile_across_batches():
         assert_close(q.grad, ref_grads[0], atol=1e-10, what=f"dq {lens}")
     assert count["graphs"] == 1, f"{count['graphs']} forward graphs for three batches"
     torch._dynamo.reset()
+
+
+def test_compile_with_max_seqlen_read_from_the_offsets():
+    """max_seqlen computed in the graph (cu.diff().max().item(), with
+    capture_scalar_outputs) is an unbacked size: the op's check of its sign
+    is a runtime assert. As a guard it had failed the compile ("Could not
+    guard on data-dependent expression"; found in review)."""
+    def fn(q, k, v, cu):
+        m = cu.diff().max().item()
+        return openwam_sdpa.varlen_sdpa(q, k, v, cu, cu, m, m, is_causal=True)
+
+    q, k, v, cu, _, _, _ = packed([3, 0, 4], requires_grad=False)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        out = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)(q, k, v, cu)
+    torch.testing.assert_close(out, fn(q, k, v, cu), rtol=0, atol=0)
 
 
 def test_compile_keeps_the_leaf_ops():
