@@ -56,10 +56,10 @@ struct Stack {
 // decision.cpp says why).
 Decision decide(const SdpaCall& call, const Settings& settings);
 
+Decision decide(const SdpaCall& call, const Settings& settings, const Stack& stack);
+
 // The plan of a differentiated cuDNN call of this shape under the
 // OPENWAM_SDPA_PAD mode, from the guard table's verdict (its `avoid` aside).
 Plan plan_for(const GuardVerdict& verdict, const CallShape& shape, PadMode pad);
-
-Decision decide(const SdpaCall& call, const Settings& settings, const Stack& stack);
 
 }  // namespace openwam
