@@ -147,7 +147,9 @@ at::Tensor block_diagonal(const VarlenCall& c) {
     // Each input's part is a sum over none of its elements: exactly 0, where
     // its whole sum times 0 was NaN once the sum overflowed (fp16) or an
     // input held inf.
-    const auto zero = [](const at::Tensor& t) { return t.flatten().narrow(0, 0, 0).sum(); };
+    // (narrow, not flatten: torch 2.13's DTensor loops forever flattening an
+    // empty tensor)
+    const auto zero = [](const at::Tensor& t) { return t.narrow(0, 0, 0).sum(); };
     const at::Tensor none = zero(c.query) + zero(c.key) + zero(c.value);
     return at::zeros_symint({c.query.sym_size(0), c.query.sym_size(1), c.value.sym_size(2)},
                             c.query.options()) + none.to(c.query.scalar_type());

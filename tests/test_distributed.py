@@ -233,6 +233,26 @@ def logsumexp_skipped_after_computed(mesh):
 
 
 @case
+def dropout_after_none_takes_its_own_philox_specs(mesh):
+    """The cached decision covers dropout_p too: the philox seed and offset
+    are empty without dropout and 0-dim with it. On meta tensors (the CPU
+    kernel has no dropout), one order and the other, each on a fresh shape:
+    the specs had been the first call's (found in review)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def forward(L, p):
+        q, k, v = (DTensor.from_local(torch.empty(2, 2, L, 16, device="meta"), mesh,
+                                      [Shard(1)], run_check=False) for _ in range(3))
+        return torch.ops.openwam._cudnn_sdpa(q, k, v, None, p, False, None, True, 0)
+
+    for L, order in ((5, (0.0, 0.125)), (6, (0.125, 0.0))):
+        for p in order:
+            for t in forward(L, p)[2:]:
+                assert t.shape == t.to_local().shape == ((0,) if p == 0.0 else ()), \
+                    (order, p, t.shape, t.to_local().shape)
+
+
+@case
 def grouped_query_attention(mesh):
     """Heads shard locally when the kv heads divide evenly over the ranks
     (query head h reads kv head h // group); 6 query heads over 3 kv heads

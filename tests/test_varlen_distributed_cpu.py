@@ -2,7 +2,8 @@
 (tensor parallelism) and cu_seqlens replicated run shard-local through the
 rules of python/openwam_sdpa/varlen_distributed.py, forward and backward
 (and a forward nothing differentiates), and give what the unsharded call
-gives. Two gloo processes."""
+gives; the block-diagonal engine, which is no leaf op, too. Two gloo
+processes."""
 
 from __future__ import annotations
 
@@ -58,6 +59,29 @@ def _worker(rank, init_file, result_dir):
                                               is_causal=True, enable_gqa=True)
         assert served.placements == (Shard(1),), served.placements
         torch.testing.assert_close(served.full_tensor(), ref.detach())
+        # The block-diagonal engine (fp32 on CUDA, head_dim over 256...) is no
+        # leaf op: its mask's fresh tensors had met DTensor's refusal to mix
+        # (and an empty call hung in DTensor's flatten). It runs per shard.
+        os.environ["OPENWAM_SDPA_VARLEN"] = "block_diagonal"
+        openwam_sdpa.varlen_settings(reload=True)
+        try:
+            for placement in (Shard(1), Replicate()):
+                leaves = [distribute_tensor(t, mesh, [placement]).requires_grad_()
+                          for t in (q, k, v)]
+                out = openwam_sdpa.varlen_sdpa(*leaves, dcu, dcu, max_len, max_len,
+                                               is_causal=True, enable_gqa=True)
+                assert out.placements == (placement,), (placement, out.placements)
+                grads = torch.autograd.grad(out, leaves, distribute_tensor(go, mesh, [placement]))
+                torch.testing.assert_close(out.full_tensor(), ref)
+                for gr, r in zip(grads, ref_grads):
+                    torch.testing.assert_close(gr.full_tensor(), r)
+            empty = [distribute_tensor(t[:0], mesh, [Shard(1)]) for t in (q, k, v)]
+            zero_cu = distribute_tensor(torch.zeros(1, dtype=torch.int32), mesh, [Replicate()])
+            out = openwam_sdpa.varlen_sdpa(*empty, zero_cu, zero_cu, 0, 0, enable_gqa=True)
+            assert out.shape == (0, 4, 8) and out.placements == (Shard(1),), out
+        finally:
+            del os.environ["OPENWAM_SDPA_VARLEN"]
+            openwam_sdpa.varlen_settings(reload=True)
         with open(os.path.join(result_dir, f"rank{rank}"), "w") as f:
             f.write("ok")
         dist.barrier()

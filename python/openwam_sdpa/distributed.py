@@ -36,7 +36,7 @@ _DTENSOR_MODULE = "torch.distributed.tensor"
 _registered = False
 
 # Positions in the leaf ops' schemas (csrc/registration.cpp).
-_FORWARD_COMPUTE_LSE = 7
+_FORWARD_DROPOUT_P = 4
 _SEQUENCE_DIM = 2
 
 
@@ -181,12 +181,13 @@ def register_sharding_rules() -> None:
     register_sharding(torch.ops.openwam._mask_bias.default)(_mask_bias_rule)
     # register_sharding keys DTensor's cache of sharding decisions on the
     # tensors' specs and the arguments from the first int on (`plan`); the
-    # forward's rule also reads compute_log_sumexp, which comes before it.
-    # Without this, a call with compute_log_sumexp=False after one with True
-    # (eval after train) reuses the cached output specs of a [B, H, L, 1]
-    # logsumexp for an empty one.
+    # outputs' specs also depend on dropout_p and compute_log_sumexp, which
+    # come before it. Without this, a call with compute_log_sumexp=False after
+    # one with True (eval after train) reused the cached specs of a
+    # [B, H, L, 1] logsumexp for an empty one, and a call with dropout after
+    # one without those of empty philox tensors for 0-dim ones.
     DTensor._op_dispatcher.sharding_propagator.op_to_schema_info[forward] = (
-        RuntimeSchemaInfo(static_argnum=_FORWARD_COMPUTE_LSE, needs_pytree=True))
+        RuntimeSchemaInfo(static_argnum=_FORWARD_DROPOUT_P, needs_pytree=True))
     _registered = True
 
 

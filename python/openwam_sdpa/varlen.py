@@ -12,7 +12,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from . import _arguments
-from . import varlen_distributed  # noqa: F401  (DTensor rules of the leaf ops)
+from . import varlen_distributed  # (and the DTensor rules of the leaf ops)
 from ._extension import _C  # noqa: F401  (registers the ops)
 
 _OP = torch.ops.openwam.sdpa_varlen.default
@@ -83,6 +83,12 @@ def varlen_sdpa(
      scale, dropout_p, enable_gqa) = _parsed(
         "varlen_sdpa", query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, is_causal, scale, dropout_p, enable_gqa)
+    if type(query) is not _Tensor and varlen_distributed.is_dtensor(query):
+        out = varlen_distributed.block_diagonal_on_shards(
+            query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            is_causal, scale, dropout_p, enable_gqa)
+        if out is not None:
+            return out
     return _OP(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                is_causal=is_causal, scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa)
 

@@ -20,6 +20,9 @@ are redistributed by DTensor to the cheaper of these.
 
 from __future__ import annotations
 
+import math
+import sys
+
 import torch
 
 from ._import_hooks import after_import
@@ -65,6 +68,57 @@ def _backward_rule(grad_out, query, key, value, out, logsumexp, rng_state, rng_o
                            [Shard(1)] * 5 + [Shard(_lse_dim(backend))] + [Replicate()] * 4
                            + rest))
     return strategies
+
+
+def is_dtensor(t) -> bool:
+    """Whether `t` is a DTensor (without importing DTensor's module)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def block_diagonal_on_shards(query, key, value, cu_q, cu_k, max_q, max_k, is_causal, scale,
+                             dropout_p, enable_gqa):
+    """sdpa_varlen of DTensor q, k, v whose engine is the block-diagonal
+    fallback, run on each rank's shard; None for any other call.
+
+    The fallback is no leaf op: it builds its block-diagonal mask from
+    cu_seqlens with fresh tensors, which DTensor refuses to mix with its own
+    (fp32 on CUDA, head_dim over 256, causal calls with distinct
+    cu_seqlens, empty inputs had raised). Under the placements the leaf ops'
+    rules run shard-local (q, k, v all Shard(1) with the head counts
+    dividing evenly, or all Replicate; cu_seqlens replicated), each rank
+    computes its heads and the output keeps q's placement."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh, placements = query.device_mesh, query.placements
+    if not all(isinstance(t, DTensor) and t.device_mesh == mesh and t.placements == placements
+               for t in (key, value)):
+        return None
+    if not all(p in (Shard(1), Replicate()) for p in placements):
+        return None
+    ranks = math.prod(n for n, p in zip(mesh.shape, placements) if p == Shard(1))
+    if query.shape[1] % ranks or key.shape[1] % ranks:
+        return None
+    local_cu = []
+    for cu in (cu_q, cu_k):
+        if is_dtensor(cu):
+            if cu.device_mesh != mesh or any(p != Replicate() for p in cu.placements):
+                return None
+            cu = cu.to_local()
+        local_cu.append(cu)
+    if cu_k is cu_q:
+        local_cu[1] = local_cu[0]  # one tensor: FlashAttention-2 may serve causal calls
+    local = [t.to_local() for t in (query, key, value)]
+    args = (*local, *local_cu, max_q, max_k)
+    backend = torch.ops.openwam._sdpa_varlen_explain(*args, is_causal, scale, dropout_p,
+                                                     enable_gqa)[0]
+    if backend != "block_diagonal":
+        return None
+    out = torch.ops.openwam.sdpa_varlen.default(*args, is_causal=is_causal, scale=scale,
+                                                dropout_p=dropout_p, enable_gqa=enable_gqa)
+    shape = (query.shape[0], query.shape[1], value.shape[2])
+    return DTensor.from_local(out, mesh, placements, run_check=False, shape=shape,
+                              stride=(shape[1] * shape[2], shape[2], 1))
 
 
 def register_sharding_rules() -> None:
