@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .conftest import GPU_MARKS, cuda_mask, cuda_qkv
+from .conftest import GPU_MARKS, cuda_adversarial_qkv, cuda_mask, cuda_qkv, cuda_randn
 
 pytestmark = GPU_MARKS
 
@@ -76,3 +76,30 @@ def test_leaf_op_bias_broadcast_along_the_keys(shape, ow):
     for name, x, ref in zip(("out", "dq", "dk", "dv"), run(bias), run(None)):
         err = float((x.double() - ref.double()).abs().max() / ref.double().abs().max())
         assert err < 2e-2, (shape, name, err)
+
+
+def test_a_program_exported_without_gradients_trains_with_the_fix(ow):
+    """An exported program holds the choice its trace made: after
+    run_decompositions(), for a trace without gradients, the cuDNN leaf op
+    with compute_log_sumexp=False and no plan. Trained on adversarial rows
+    at s_kv = 704 (cuDNN 9.19's key-tail defect), the leaf op takes the
+    training forward and the plan decide() gives: finite gradients, equal to
+    the op's own. It had raised."""
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return ow.sdpa(q, k, v)
+
+    q, k, v = cuda_adversarial_qkv(B, H, S_Q, S_KV, D, low_rows=range(0, S_Q, 8), seed=12)
+    with torch.no_grad():
+        exported = torch.export.export(Attention(), (q.detach(), k.detach(), v.detach()))
+    decomposed = exported.run_decompositions()
+    targets = {str(n.target) for n in decomposed.graph.nodes if n.op == "call_function"}
+    assert any("_cudnn_sdpa" in t for t in targets), targets
+    go = cuda_randn(B, H, S_Q, D, seed=13)
+    out = decomposed.module()(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), go)
+    ref = torch.autograd.grad(ow.sdpa(q, k, v), (q, k, v), go)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
+        assert torch.isfinite(g).all(), name
+        err = float((g.double() - r.double()).abs().max() / r.double().abs().max())
+        assert err < 1e-2, (name, err)
