@@ -407,3 +407,109 @@ def test_sliding_window_layers_keep_packed_sequences_apart(use_cache, flash_kwar
         alone = torch.cat([model(input_ids=torch.tensor([s])).logits[0] for s in sequences()])
     assert calls == 0
     torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-5)
+
+
+def test_cross_attention_is_no_packing():
+    """A BERT decoder with cross-attention passes its packed position_ids to
+    the cross-attention too, whose keys are the encoder's: read as one
+    packing they had been split by the decoder's sequences (logits off by
+    4.8e-3; found in review). Cross-attention keeps the "sdpa" path: each
+    decoder sequence sees its own tokens and the whole encoder output."""
+    from transformers import BertConfig, BertLMHeadModel
+
+    config = BertConfig(vocab_size=96, hidden_size=64, num_hidden_layers=LAYERS,
+                        num_attention_heads=4, intermediate_size=128, max_position_embeddings=64,
+                        is_decoder=True, add_cross_attention=True, use_cache=False)
+    torch.manual_seed(0)
+    model = BertLMHeadModel(config).eval()
+    model.set_attn_implementation("openwam_sdpa")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(96, (1, 12), generator=g)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
+    encoded = torch.randn(1, 12, 64, generator=g)
+    with torch.no_grad():
+        ours, calls = varlen_calls(lambda: model(input_ids=ids, position_ids=pos,
+                                                 encoder_hidden_states=encoded).logits)
+        model.set_attn_implementation("sdpa")
+        alone = torch.cat([model(input_ids=ids[:, a:b], encoder_hidden_states=encoded).logits
+                           for a, b in ((0, 5), (5, 12))], 1)
+    torch.testing.assert_close(ours, alone, rtol=1e-4, atol=1e-5)
+    assert calls == LAYERS  # the self-attention layers only
+
+
+def test_unpad_setting_leaves_cross_attention_alone(monkeypatch):
+    """BART with source and target padded to one length: under
+    OPENWAM_SDPA_UNPAD=1 the decoder's cross-attention had been unpadded by
+    the encoder's padding, and the decoder tokens past the source's length
+    got no attention at all (logits off by 10 at init_std 0.3; found in
+    review). It keeps the "sdpa" path; the self-attention layers unpad."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(vocab_size=96, d_model=64, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=4, decoder_attention_heads=4,
+                        encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64,
+                        init_std=0.3)
+    torch.manual_seed(0)
+    model = BartForConditionalGeneration(config).eval()
+    g = torch.Generator().manual_seed(1)
+    source = torch.randint(3, 96, (2, 10), generator=g)
+    target = torch.randint(3, 96, (2, 10), generator=g)
+    source_mask = torch.ones(2, 10, dtype=torch.long)
+    source_mask[1, 6:] = 0
+    args = dict(input_ids=source, attention_mask=source_mask, decoder_input_ids=target)
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        ref = model(**args).logits
+        model.set_attn_implementation("openwam_sdpa")
+        monkeypatch.setenv("OPENWAM_SDPA_UNPAD", "1")
+        ours, calls = varlen_calls(lambda: model(**args).logits)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    assert calls == 1  # the encoder's self-attention (the decoder's is unpadded: no padding)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_generate_from_a_padded_prompt_gives_sdpas_tokens(side):
+    """generate() gives a padded prompt's padding tokens position 0
+    (transformers 5.25), so the prompt reads as a packing. Its padding
+    queries keep transformers' mask: a right-padded prompt's last row, which
+    picks the next token, had seen its padding token alone, and the greedy
+    tokens differed from "sdpa"'s (found in review)."""
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[0, 0, 0] + [1] * 9])
+    mask = mask if side == "left" else mask.flip(-1)
+    model = tiny_model("llama", use_cache=True).eval()
+    args = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        ours = model.generate(**args)
+        model.set_attn_implementation("sdpa")
+        ref = model.generate(**args)
+    assert torch.equal(ours.sequences, ref.sequences)
+    for a, b in zip(ours.scores, ref.scores):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_layers_alternating_between_two_masks_read_each_once(monkeypatch):
+    """Llama 4's chunked and full layers take two masks, alternating. The
+    per-forward cache held one entry and read the masks at every switch (6
+    host syncs in a 12-layer forward; found in review): once each now."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    from openwam_sdpa import transformers_integration as ti
+
+    reads = []
+    check = ti._mask_beyond_packing
+    monkeypatch.setattr(ti, "_mask_beyond_packing", lambda *a: reads.append(1) or check(*a))
+    layers = 8
+    config = Llama4TextConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
+                              intermediate_size_mlp=128, num_hidden_layers=layers,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              num_local_experts=2, num_experts_per_tok=1,
+                              interleave_moe_layer_step=4, attention_chunk_size=4,
+                              max_position_embeddings=64, use_cache=False,
+                              no_rope_layers=[1, 1, 1, 0] * (layers // 4))
+    torch.manual_seed(0)
+    model = Llama4ForCausalLM._from_config(config, attn_implementation="openwam_sdpa").eval()
+    with torch.no_grad():
+        model(**{k: v for k, v in packed_batch(True).items() if k != "labels"})
+    assert len(reads) == 2, len(reads)

@@ -55,6 +55,10 @@ class _PerForward:
     version counter) is read again. Gradient checkpointing's recomputation
     (later layers, the same tensors) reuses it. A module without `layer_idx`
     computes on every call. Thread-local: two threads' forwards do not mix.
+    One entry per set of tensors: layers that alternate between two masks
+    (Llama 4's chunked and full layers) read each once, where one entry for
+    all had read them at every switch. Entries whose tensors are gone (the
+    last forward's masks) are dropped.
     """
 
     def __init__(self):
@@ -65,15 +69,20 @@ class _PerForward:
         tensors (a tuple; None entries allowed)."""
         layer = getattr(module, "layer_idx", None)
         versions = tuple(None if t is None or t.is_inference() else t._version for t in tensors)
-        entry = getattr(self._local, "entry", None)
+        entries = self._local.__dict__.setdefault("entries", {})
+        key = tuple(id(t) for t in tensors)
+        entry = entries.get(key)
         if (entry is not None and layer is not None and layer > entry[2]
-                and entry[1] == versions and len(entry[0]) == len(tensors)
+                and entry[1] == versions
                 and all((r() if r is not None else None) is t for r, t in zip(entry[0], tensors))):
             return entry[3]
         value = compute(*tensors)
         if layer is not None:
+            for stale in [k for k, e in entries.items()
+                          if any(r is not None and r() is None for r in e[0])]:
+                del entries[stale]
             refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
-            self._local.entry = (refs, versions, layer, value)
+            entries[key] = (refs, versions, layer, value)
         return value
 
 
@@ -87,8 +96,11 @@ def _boundaries_from_position_ids(position_ids):
     """(cu_seqlens int32, max_seqlen) of a [1, T] position_ids that packs
     several sequences (it starts at 0, and every next position is 0, a new
     sequence, or one more than the last), or None otherwise: one sequence,
-    or positions of another kind, such as generate()'s left padding
-    ([1, 1, 0, 1, 2]), which the attention mask then describes."""
+    or positions of another kind, such as [1, 1, 0, 1, 2] (left padding
+    filled with 1), which the attention mask then describes. generate()'s
+    padded prompts (transformers 5.25 fills the padding with 0) do read as
+    packings; their padding queries keep transformers' mask
+    (_within_sequences)."""
     import torch
 
     pos = position_ids.reshape(-1)
@@ -147,11 +159,16 @@ def _same_sequence(cu, total):
 def _within_sequences(mask, cu, total, is_causal):
     """A packed row's bool mask [1, 1|H, T, T] restricted to each sequence;
     for no mask (causal, or full if not), the causal or full mask of each
-    sequence."""
+    sequence. A padding query (one that does not see its own key) keeps its
+    row: generate() gives a padded prompt position 0 at every padding token,
+    which reads as a packing, and a right-padded prompt's last row, which
+    picks the next token, had seen its own padding token alone (greedy
+    tokens unlike "sdpa"'s)."""
     same = _same_sequence(cu, total)
     if mask is None:
         return (same.tril() if is_causal else same)[None, None]
-    return mask & same
+    padding_query = ~mask.diagonal(dim1=-2, dim2=-1)
+    return mask & (same | padding_query[..., :, None])
 
 
 def _mask_beyond_packing(mask, cu, is_causal, cu_k=None):
@@ -181,6 +198,21 @@ def _mask_beyond_packing(mask, cu, is_causal, cu_k=None):
     if not one_packing:
         return mask
     return None if agrees else _within_sequences(mask, cu, mask.shape[-1], is_causal)
+
+
+def _cross_attention(module) -> bool:
+    """Whether `module` attends to another sequence's keys (an encoder's).
+    transformers marks it in several ways: a class of its own (BERT's
+    BertCrossAttention), an is_cross_attention flag, or a decoder's
+    attention that is not causal (BART's, Whisper's encoder_attn). Queries
+    and keys of one length do not tell it apart from self-attention, and
+    read as one packing they had split the encoder's keys by the decoder's
+    sequences (logits off by 4.8e-3), or under OPENWAM_SDPA_UNPAD=1
+    gathered the decoder's rows by the encoder's padding (off by 10)."""
+    return ("CrossAttention" in type(module).__name__
+            or bool(getattr(module, "is_cross_attention", False))
+            or (bool(getattr(module, "is_decoder", False))
+                and not getattr(module, "is_causal", True)))
 
 
 def _is_causal(module, kwargs):
@@ -223,7 +255,7 @@ def packed_attention(module, query, key, value, attention_mask, **kwargs):
     batch, _, q_len, _ = query.shape
     # Self-attention over the same tokens: queries and keys share boundaries
     # (one cu_seqlens tensor, so FlashAttention-2 may serve causal calls).
-    if q_len != key.shape[2]:
+    if q_len != key.shape[2] or _cross_attention(module):
         return None
     # What varlen_sdpa does not compute: softcapping, sinks, a sliding window,
     # and dropout on the CPU (its reference has none there; "sdpa" trains
