@@ -126,15 +126,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cudnn_sdpa_autograd(
     // plan decide() gives a differentiated call of this shape.
     const SdpaCall call{query, key, value, attn_bias, dropout_p, is_causal, scale,
                         /*enable_gqa=*/query.sym_size(1) != key.sym_size(1)};
-    const CallShape shape = shape_of(call);
-    const GuardVerdict verdict = check_guards(shape, runtime_cudnn_version());
-    TORCH_CHECK(verdict.avoid == nullptr,
+    const TrainingPlan t = training_plan(call, runtime_cudnn_version(), current_settings().pad);
+    TORCH_CHECK(t.verdict.avoid == nullptr,
                 "openwam::_cudnn_sdpa: this call was recorded without gradients (an exported "
                 "program after run_decompositions() keeps what its trace chose), and guard "
-                "rule ", verdict.avoid != nullptr ? verdict.avoid->name : "",
+                "rule ", t.verdict.avoid != nullptr ? t.verdict.avoid->name : "",
                 " keeps its differentiated form off cuDNN; export from a call whose inputs "
                 "require grad, or keep openwam::sdpa undecomposed");
-    plan = plan_for(verdict, shape, current_settings().pad).to_int();
+    plan = t.plan.to_int();
     compute_log_sumexp = true;
   }
   TORCH_CHECK(!at::GradMode::is_enabled() || !attn_bias.has_value() ||

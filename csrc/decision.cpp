@@ -35,16 +35,7 @@ Decision routed(Route route, const char* reason) {
   return d;
 }
 
-// Inputs batched by torch.func.vmap (functorch's BatchedTensorImpl).
-bool batched(const SdpaCall& c) {
-  const c10::DispatchKeySet keys({c10::DispatchKey::FuncTorchBatched,
-                                  c10::DispatchKey::BatchedNestedTensor});
-  const auto is = [&keys](const at::Tensor& t) { return t.key_set().has_any(keys); };
-  return is(c.query) || is(c.key) || is(c.value) || (c.attn_mask && is(*c.attn_mask));
-}
-
-}  // namespace
-
+// The plan for a differentiated cuDNN call under the OPENWAM_SDPA_PAD mode.
 Plan plan_for(const GuardVerdict& verdict, const CallShape& shape, PadMode pad) {
   switch (pad) {
     case PadMode::kNever:
@@ -63,6 +54,24 @@ Plan plan_for(const GuardVerdict& verdict, const CallShape& shape, PadMode pad) 
       return verdict.plan;
   }
   TORCH_INTERNAL_ASSERT(false, "unknown PadMode");
+}
+
+// Inputs batched by torch.func.vmap (functorch's BatchedTensorImpl).
+bool batched(const SdpaCall& c) {
+  const c10::DispatchKeySet keys({c10::DispatchKey::FuncTorchBatched,
+                                  c10::DispatchKey::BatchedNestedTensor});
+  const auto is = [&keys](const at::Tensor& t) { return t.key_set().has_any(keys); };
+  return is(c.query) || is(c.key) || is(c.value) || (c.attn_mask && is(*c.attn_mask));
+}
+
+}  // namespace
+
+TrainingPlan training_plan(const SdpaCall& call, long cudnn_version, PadMode pad) {
+  const CallShape shape = shape_of(call);
+  TrainingPlan t;
+  t.verdict = check_guards(shape, cudnn_version);
+  t.plan = plan_for(t.verdict, shape, pad);
+  return t;
 }
 
 const char* to_string(Route route) {
@@ -166,16 +175,15 @@ Decision decide(const SdpaCall& call, const Settings& settings, const Stack& sta
   if (!call.takes_training_forward()) {
     return d;  // the defects are backward-only: stock cuDNN's forward
   }
-  const CallShape shape = shape_of(call);
-  const GuardVerdict verdict = check_guards(shape, stack.cudnn_version);
-  if (verdict.avoid != nullptr) {
+  const TrainingPlan t = training_plan(call, stack.cudnn_version, settings.pad);
+  if (t.verdict.avoid != nullptr) {
     d.route = Route::kPyTorchWithoutCudnn;
-    d.rule = verdict.avoid;
+    d.rule = t.verdict.avoid;
     d.reason = "a guard rule keeps this call off cuDNN";
     return d;
   }
-  d.plan = plan_for(verdict, shape, settings.pad);
-  d.rule = d.plan.none() ? nullptr : verdict.first_hit;
+  d.plan = t.plan;
+  d.rule = d.plan.none() ? nullptr : t.verdict.first_hit;
   return d;
 }
 

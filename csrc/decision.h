@@ -58,8 +58,14 @@ Decision decide(const SdpaCall& call, const Settings& settings);
 
 Decision decide(const SdpaCall& call, const Settings& settings, const Stack& stack);
 
-// The plan of a differentiated cuDNN call of this shape under the
-// OPENWAM_SDPA_PAD mode, from the guard table's verdict (its `avoid` aside).
-Plan plan_for(const GuardVerdict& verdict, const CallShape& shape, PadMode pad);
+// What the guard table gives a differentiated cuDNN call of this shape on
+// `cudnn_version`: its verdict (`avoid`: keep it off cuDNN) and the plan under
+// the OPENWAM_SDPA_PAD mode. decide()'s answer on the cuDNN path, and the leaf
+// op's for a call recorded without gradients (cudnn_path.cpp).
+struct TrainingPlan {
+  GuardVerdict verdict;
+  Plan plan;
+};
+TrainingPlan training_plan(const SdpaCall& call, long cudnn_version, PadMode pad);
 
 }  // namespace openwam
