@@ -156,15 +156,15 @@ def _same_sequence(cu, total):
     return sequence[:, None] == sequence[None, :]
 
 
-def _within_sequences(mask, cu, total, is_causal):
-    """A packed row's bool mask [1, 1|H, T, T] restricted to each sequence;
+def _within_sequences(mask, same, is_causal):
+    """A packed row's bool mask [1, 1|H, T, T] restricted to each sequence
+    (`same`: _same_sequence's);
     for no mask (causal, or full if not), the causal or full mask of each
     sequence. A padding query (one that does not see its own key) keeps its
     row: generate() gives a padded prompt position 0 at every padding token,
     which reads as a packing, and a right-padded prompt's last row, which
     picks the next token, had seen its own padding token alone (greedy
     tokens unlike "sdpa"'s)."""
-    same = _same_sequence(cu, total)
     if mask is None:
         return (same.tril() if is_causal else same)[None, None]
     padding_query = ~mask.diagonal(dim1=-2, dim2=-1)
@@ -197,7 +197,7 @@ def _mask_beyond_packing(mask, cu, is_causal, cu_k=None):
     agrees, one_packing = torch.stack([agrees, one_packing]).tolist()
     if not one_packing:
         return mask
-    return None if agrees else _within_sequences(mask, cu, mask.shape[-1], is_causal)
+    return None if agrees else _within_sequences(mask, same, is_causal)
 
 
 def _cross_attention(module) -> bool:
@@ -302,7 +302,7 @@ def packed_attention(module, query, key, value, attention_mask, **kwargs):
         # the packing (with a cache): restricted to each sequence, as the
         # varlen path attends.
         mask = _apart.get((attention_mask,) + source, module,
-                          lambda *_: _within_sequences(attention_mask, cu, q_len, causal))
+                          lambda *_: _within_sequences(attention_mask, _same_sequence(cu, q_len), causal))
         return sdpa_path(module, query, key, value, mask, **kwargs)
     if attention_mask is not None:
         dense = _mask_check.get((attention_mask,) + source, module,
