@@ -13,7 +13,9 @@ their fp32 reference kernels, with the plan honoured and no dropout.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import importlib
 import json
 import os
 import subprocess
@@ -197,22 +199,88 @@ def other_placements_redistributed(mesh):
 
 
 @case
-def sequence_sharded_refused(mesh):
+def sequence_sharded_gathered_outside_context_parallel(mesh):
+    """q, k or v sharded on the sequence, with no context parallelism on: a
+    plain split, which DTensor gathers for the leaf ops as for PyTorch's own
+    attention ops (stock F.sdpa). The values are the single-process op's."""
+    import openwam_sdpa
+    import torch.nn.functional as F
     from torch.distributed.tensor import Shard
 
-    q, k, v, _ = _inputs()
-    for placements in ([Shard(2)] * 3, [Shard(1), Shard(2), Shard(1)]):
-        dq, dk, dv = _distributed(mesh, placements, q, k, v)
+    q, k, v, grad_out = _inputs()
+    want = _reference(q, k, v, grad_out)
+    for placements in ([Shard(2)] * 4, [Shard(1), Shard(2), Shard(1), Shard(2)]):
+        dq, dk, dv, dgrad = _distributed(mesh, placements, q, k, v, grad_out, leaves=3)
+        out, lse, _, _ = _forward(dq, dk, dv)
+        out.backward(dgrad)
+        for got, ref, name in zip((out, lse, dq.grad, dk.grad, dv.grad), want,
+                                  ("out", "logsumexp", "dq", "dk", "dv")):
+            _assert_same(got, ref, f"{placements}: {name}")
+        # The drop-in entry: stock's values and placement.
+        got = openwam_sdpa.sdpa(dq, dk, dv)
+        stock = F.scaled_dot_product_attention(dq, dk, dv)
+        assert got.placements == stock.placements, (placements, got.placements, stock.placements)
+        _assert_same(got, stock.full_tensor(), f"{placements}: openwam_sdpa.sdpa")
+
+
+@contextlib.contextmanager
+def _context_parallel_dispatcher():
+    """Context parallelism's DTensor dispatch on, as context_parallel() turns
+    it on (the ring attention itself needs CUDA; the leaf op refuses first)."""
+    for name in ("torch.distributed.tensor.experimental._context_parallel._attention",
+                 "torch.distributed.tensor.experimental._attention"):
         try:
-            _forward(dq, dk, dv)
-        except NotImplementedError as exc:
-            message = str(exc)
-        else:
-            raise AssertionError(f"{placements}: no error")
-        name = "query" if placements[0] == Shard(2) else "key"
-        for part in (f"{name} is sharded on the sequence dim", "Shard(dim=2)",
-                     "context_parallel", "OPENWAM_SDPA_CUDNN=0"):
-            assert part in message, (part, message)
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "_enable_cp_dtensor_dispatcher"):
+            module._enable_cp_dtensor_dispatcher()
+            try:
+                yield
+            finally:
+                module._disable_cp_dtensor_dispatcher()
+            return
+    raise AssertionError("this torch has no context parallel dispatcher")
+
+
+@case
+def sequence_sharded_refused_under_context_parallel(mesh):
+    """Under context parallelism a sequence shard is no plain split (it is
+    reordered for load balance, and read back as sequence-sharded): the leaf
+    op raises, naming the way out. The drop-in entry checks each call (DTensor
+    caches the leaf op's decision per signature): a call the cuDNN path would
+    take raises, one PyTorch's attention takes (context_parallel's own) does
+    not."""
+    from torch.distributed.tensor import Shard
+
+    from openwam_sdpa import distributed as rules
+
+    q, k, v, _ = _inputs(L=20)  # a signature no other case has cached
+    assert not rules.context_parallel_active()
+    with _context_parallel_dispatcher():
+        assert rules.context_parallel_active()
+        for placements in ([Shard(2)] * 3, [Shard(1), Shard(2), Shard(1)]):
+            dq, dk, dv = _distributed(mesh, placements, q, k, v)
+            try:
+                _forward(dq, dk, dv)
+            except NotImplementedError as exc:
+                message = str(exc)
+            else:
+                raise AssertionError(f"{placements}: no error")
+            name = "query" if placements[0] == Shard(2) else "key"
+            for part in (f"{name} is sharded on the sequence dim", "Shard(dim=2)",
+                         "context_parallel", "OPENWAM_SDPA_CUDNN=0"):
+                assert part in message, (part, message)
+            try:
+                rules.refuse_under_context_parallel(dq, dk, dv, lambda: "cudnn")
+            except NotImplementedError as exc:
+                assert f"{name} is sharded on the sequence dim" in str(exc), str(exc)
+            else:
+                raise AssertionError(f"{placements}: the entry's check let a cuDNN call by")
+            rules.refuse_under_context_parallel(dq, dk, dv, lambda: "pytorch")
+        replicated = _distributed(mesh, [Shard(1)] * 3, q, k, v)
+        rules.refuse_under_context_parallel(*replicated, lambda: "cudnn")
+    assert not rules.context_parallel_active()
 
 
 @case

@@ -15,9 +15,11 @@ What the rules allow, on each mesh dimension:
   attention. attn_bias follows: Shard(d) where it has that dim, Replicate
   where it broadcasts over it (size 1).
 - everything Replicate: every rank runs the whole call.
-Any other placement is redistributed by DTensor to the cheapest of these,
-except a sequence-sharded q, k or v (Shard(2), what context parallelism
-makes), which raises: see _refuse_sequence_sharding.
+Any other placement is redistributed by DTensor to the cheapest of these, as
+PyTorch's own attention ops list the same three: a sequence-sharded q, k or v
+(Shard(2)) is gathered, as stock F.sdpa gathers it. Under context
+parallelism, whose sequence shards are no plain split, it raises instead:
+see _refuse_sequence_sharding.
 
 Importing torch.distributed.tensor takes seconds, and most users of the op
 never need it: importing this module registers the rules at once when
@@ -32,7 +34,7 @@ import torch
 
 from ._import_hooks import after_import
 
-_DTENSOR_MODULE = "torch.distributed.tensor"
+DTENSOR_MODULE = "torch.distributed.tensor"
 _registered = False
 
 # Positions in the leaf ops' schemas (csrc/registration.cpp).
@@ -90,27 +92,70 @@ def _bias_placement(attn_bias, dim: int):
     return Replicate() if own < 0 or shape[own] == 1 else Shard(own)
 
 
+# PyTorch's attention ops that context parallelism runs as ring attention.
+_CONTEXT_PARALLEL_OPS = ("_scaled_dot_product_flash_attention",
+                         "_scaled_dot_product_efficient_attention",
+                         "_scaled_dot_product_cudnn_attention")
+
+
+def context_parallel_active() -> bool:
+    """Whether torch's context parallelism is on. Each of its forms
+    (context_parallel() in either dispatch mode, _enable_context_parallel_
+    dispatcher) gives DTensor handlers of its own for PyTorch's attention ops
+    while it is on (torch 2.11-2.15 alike)."""
+    from torch.distributed.tensor import DTensor
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    return any(getattr(torch.ops.aten, name).default in handlers
+               for name in _CONTEXT_PARALLEL_OPS)
+
+
+def sequence_sharded(tensor) -> bool:
+    placements = getattr(tensor, "placements", ())
+    return any(p.is_shard(_SEQUENCE_DIM) for p in placements)
+
+
+def context_parallel_refusal(op_name: str, name: str, placements) -> NotImplementedError:
+    return NotImplementedError(
+        f"openwam::{op_name}: {name} is sharded on the sequence dim (placements "
+        f"{tuple(placements)}) under context parallelism; the guarded cuDNN path has no "
+        "ring attention: torch.distributed.tensor.experimental.context_parallel rewrites "
+        "only PyTorch's own SDPA ops into it. Under context_parallel set "
+        "OPENWAM_SDPA_CUDNN=0 (then openwam_sdpa.reload_settings()): the op hands the call "
+        "to PyTorch's flash/efficient attention, which context_parallel runs as ring "
+        "attention and which lack the cuDNN defect.")
+
+
 def _refuse_sequence_sharding(op_name: str, **tensors) -> None:
-    """A q, k or v sharded on the sequence is what context_parallel() hands
-    over. Redistributing it would be wrong, not just slow: context_parallel
-    reorders the sequence for load balance (head-tail chunks), so a causal
-    call on the gathered sequence masks the wrong keys, and it reads the
-    output back with to_local() as if it were still sequence-sharded. The
-    op has no ring attention: say so, with the way out."""
+    """A q, k or v sharded on the sequence under context parallelism.
+    Gathering it would be wrong, not just slow: context_parallel reorders the
+    sequence for load balance (head-tail chunks), so a causal call on the
+    gathered sequence masks the wrong keys, and it reads the output back with
+    to_local() as if it were still sequence-sharded. Outside context
+    parallelism the shards are a plain split, and DTensor gathers them, as
+    for stock F.sdpa.
+
+    DTensor caches the decision per call signature, so a signature first seen
+    outside context parallelism is not checked again under it here: the
+    drop-in entry (openwam_sdpa.sdpa, the patched F.sdpa) checks every call,
+    refuse_under_context_parallel below."""
+    if not context_parallel_active():
+        return
     for name, spec in tensors.items():
-        if any(p.is_shard(_SEQUENCE_DIM) for p in spec.placements):
-            raise NotImplementedError(
-                f"openwam::{op_name}: {name} is sharded on the sequence dim "
-                f"(placements {tuple(spec.placements)}); the guarded cuDNN path "
-                "supports q/k/v sharded on the batch (Shard(0)) or head (Shard(1)) "
-                "dim, or replicated, but no sequence/context parallelism: "
-                "torch.distributed.tensor.experimental.context_parallel rewrites "
-                "only PyTorch's own SDPA ops into ring attention. Under "
-                "context_parallel set OPENWAM_SDPA_CUDNN=0 (then "
-                "openwam_sdpa.reload_settings()): the op hands the call to "
-                "PyTorch's flash/efficient attention, which context_parallel "
-                "runs as ring attention and which lack the cuDNN defect; or "
-                "redistribute q/k/v to Shard(0), Shard(1) or Replicate first.")
+        if sequence_sharded(spec):
+            raise context_parallel_refusal(op_name, name, spec.placements)
+
+
+def refuse_under_context_parallel(query, key, value, route) -> None:
+    """The drop-in entry's per-call check of a DTensor call (see
+    _refuse_sequence_sharding): under context parallelism a sequence-sharded
+    call that the cuDNN path would take raises. `route()` gives that path
+    (openwam_sdpa.explain's "backend"); asked only for such calls. A call
+    the op hands to PyTorch's attention is context_parallel's own."""
+    tensors = {"query": query, "key": key, "value": value}
+    sharded = [name for name, t in tensors.items() if sequence_sharded(t)]
+    if sharded and context_parallel_active() and route() == "cudnn":
+        raise context_parallel_refusal("sdpa", sharded[0], tensors[sharded[0]].placements)
 
 
 def _cudnn_sdpa_rule(query, key, value, attn_bias, dropout_p, is_causal, scale,
@@ -192,4 +237,4 @@ def register_sharding_rules() -> None:
 
 
 if torch.distributed.is_available():
-    after_import(_DTENSOR_MODULE, register_sharding_rules)
+    after_import(DTENSOR_MODULE, register_sharding_rules)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from . import _arguments, _compile_cache
 from ._extension import _C
+from . import distributed
 
 # Bound at import, before patch() can replace it: the inputs the op does not
 # serve itself go here.
@@ -94,6 +95,9 @@ def sdpa(
                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     # Tracers (torch.compile, torch.export, make_fx), tensor subclasses such
     # as DTensor, and __torch_function__ modes: the op through torch.ops.
+    if distributed.DTENSOR_MODULE in sys.modules:
+        distributed.refuse_under_context_parallel(query, key, value, lambda: _C.explain(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)["backend"])
     return _SDPA_OP(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
