@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import re
 import subprocess
 import sys
@@ -320,6 +321,8 @@ def test_explain_refuses_a_dropout_f_sdpa_refuses(capsys, dropout):
 @pytest.mark.parametrize("args,scalars", [
     (["--scale", "nan"], {"scale": float("nan")}),
     (["--scale", "-2"], {"scale": -2.0}),
+    (["--scale", "-1e-3"], {"scale": -1e-3}),  # argparse alone read it as an option
+    (["--scale", "-inf"], {"scale": float("-inf")}),
     (["--dropout", "1"], {"dropout_p": 1.0}),
     (["--dropout", "0.25", "--causal"], {"dropout_p": 0.25, "is_causal": True}),
 ])
@@ -329,6 +332,8 @@ def test_explain_takes_what_f_sdpa_takes(capsys, args, scalars):
     assert code == 0, err
     call = json.loads(out)["call"]
     assert call["dropout"] == scalars.get("dropout_p", 0.0)
+    scale = scalars.get("scale")
+    assert call["scale"] == (scale if scale is None or math.isfinite(scale) else str(scale))
 
 
 def explained_rules(capsys, *args):

@@ -407,10 +407,30 @@ def run_doctor(as_json=False):
 
 # ------------------------------------------------------------------ main
 
+_NUMBER_OPTIONS = ("--scale", "--dropout")
+
+
+def _joined_numbers(argv: list) -> list:
+    """`--scale -1e-3` as `--scale=-1e-3`: argparse reads a negative number
+    in exponent form (or inf, nan) as an option, and would say the option
+    has no value; F.sdpa's own check then words what is wrong with it."""
+    out = []
+    for arg in argv:
+        if out and out[-1] in _NUMBER_OPTIONS and arg.startswith("-"):
+            try:
+                float(arg)
+            except ValueError:
+                pass
+            else:
+                out[-1] = f"{out[-1]}={arg}"
+                continue
+        out.append(arg)
+    return out
+
 
 def main(argv=None):
     parser = build_parser()
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = _joined_numbers(sys.argv[1:] if argv is None else list(argv))
     args, unknown = parser.parse_known_args(argv)  # exits EXIT_USAGE on a bad command line
     if unknown:
         # `--json doctor`: the command's options go after it.
