@@ -32,13 +32,21 @@ bool key_tail_conservative_hits(const CallShape& s, long version) {
   return !key_tail_measured_stack(version, s.head_dim) && s.s_kv % kCudnnKeyTile != 0;
 }
 
-// The single-query-row sweep on the H200 covered cuDNN 9.19.0.
+// The single-query-row sweep on the H200 covered cuDNN 9.19.0 in bf16, and
+// is_causal at head_dim 64, 128 and 256 only: it never failed there.
+bool single_query_row_causal_measured(const CallShape& s, long version) {
+  return version == k9_19_0 && s.is_causal && !s.fp16 &&
+         (s.head_dim == 64 || s.head_dim == 128 || s.head_dim == 256);
+}
+
 bool single_query_row_measured_hits(const CallShape& s, long /*version*/) {
   return s.batch == 1 && s.s_q == 1 && !s.is_causal;
 }
 
+// Everywhere else, causal calls the sweep did not reach on 9.19.0 included.
 bool single_query_row_hits(const CallShape& s, long version) {
-  return version != k9_19_0 && s.batch == 1 && s.s_q == 1;
+  return s.batch == 1 && s.s_q == 1 && (version != k9_19_0 || s.is_causal) &&
+         !single_query_row_causal_measured(s, version);
 }
 
 bool single_row_single_head_hits(const CallShape& s, long /*version*/) {
@@ -60,6 +68,13 @@ constexpr const char* kRaggedAction =
 constexpr const char* kRaggedSource =
     "conservative: this project found the engine right on 9.19.0 only (H200, torch 2.11.0); "
     "related: TransformerEngine #3249, pytorch #186142 (why not ATen's ragged call)";
+
+// Both key-tail rows (padding.h's shim_takes_bias says why the shim takes a
+// masked call whose keys it grows by at most 1/32).
+constexpr const char* kKeyTailAction =
+    "the backward runs with cuDNN's padding mask; with a mask (no dropout) and at most "
+    "1/32 more keys to the next multiple of 128, on K, V and the mask padded to it "
+    "(ATen fallback: K/V padded to a multiple of 128)";
 
 const std::vector<GuardRule>& table() {
   static const std::vector<GuardRule> rules = {
@@ -87,8 +102,7 @@ const std::vector<GuardRule>& table() {
        Fix::kKeyTail,
        "9.19.0, head_dim 64 and 128",
        "backward NaN in dQ rows with logsumexp < -88.7 when s_kv % 128 == 64",
-       "the backward runs with cuDNN's padding mask (ATen fallback: K/V padded to a "
-       "multiple of 128)",
+       kKeyTailAction,
        "cudnn-frontend #160, PR #628; pytorch #196678; measured by this project on an "
        "H200 (torch 2.11.0, cuDNN 9.19.0)"},
       // The same defect elsewhere before its fix. torch 2.7.1 with cuDNN 9.7.1
@@ -101,8 +115,7 @@ const std::vector<GuardRule>& table() {
        Fix::kKeyTail,
        "< 9.26.0 (other than 9.19.0 at head_dim 64/128)",
        "backward NaN in dQ rows with logsumexp < -88.7 when s_kv % 128 != 0",
-       "the backward runs with cuDNN's padding mask (ATen fallback: K/V padded to a "
-       "multiple of 128)",
+       kKeyTailAction,
        "cudnn-frontend #160, PR #628 (fixed in cuDNN 9.26, reported upstream); "
        "pytorch #196678; conservative: every s_kv % 128 != 0 failed on cuDNN 9.7.1"},
       // Measured on 9.19.0 (H200, tools/sweep_single_query_row.py): of 798
@@ -110,7 +123,9 @@ const std::vector<GuardRule>& table() {
       // batch 1 with one query row and a logsumexp at or below -89 (clean at
       // -88 and above, at batch 2 and 3 and at s_q 2), with no mask, bool and
       // additive masks, grouped-query attention and head_dim 64, 128 and 256;
-      // never with is_causal. The padding mask removed it at head_dim 64-256.
+      // never with is_causal (bf16, head_dim 64, 128 and 256: other causal
+      // calls on 9.19.0 take the conservative row below). The padding mask
+      // removed it at head_dim 64-256.
       {"sq1_nan_dk_dv_9.19",
        {k9_19_0, k9_19_0 + 1},
        {k9_19_0, k9_19_0 + 1},
@@ -124,19 +139,22 @@ const std::vector<GuardRule>& table() {
        "cudnn-frontend #1072 (reported on 9.25.1 and 9.26); measured by this project on "
        "an H200 (torch 2.11.0, cuDNN 9.19.0)"},
       // Reported on 9.25.1.1 and 9.26.0.51 (torch 2.15.0's pin); the versions
-      // between are assumed affected, is_causal included.
+      // between are assumed affected, is_causal included; on 9.19.0, causal
+      // calls in fp16 or at a head_dim other than 64, 128 and 256 (not swept).
       {"sq1_nan_dk_dv",
        {0, kNoFixKnown},
        {},
        &single_query_row_hits,
        Fix::kSingleQueryRow,
-       "every version but 9.19.0 (torch 2.15 pins 9.26.0; no fix known)",
+       "every version but 9.19.0, and on 9.19.0 causal calls the sweep did not reach "
+       "(torch 2.15 pins 9.26.0; no fix known)",
        "backward NaN in all of dK and dV for batch 1, s_q == 1 and a very "
        "negative logsumexp",
        "the backward is computed in fp32 without cuDNN (with dropout: cuDNN's padding "
        "mask and a second, zero query row)",
        "cudnn-frontend #1072 (reported on 9.25.1.1 and 9.26.0.51, torch 2.15.0's "
-       "pin); conservative: measured on 9.19.0 only (row above)"},
+       "pin); conservative: measured on 9.19.0 only (row above; its causal calls in "
+       "bf16 at head_dim 64, 128 and 256)"},
       // ---- The ragged layout (openwam::sdpa_varlen's cuDNN engine, on the
       // frontend's graphs: ragged_engine.h). On 9.19.0 (torch 2.11.0+cu130,
       // H200) the admission sweep of tests/gpu/test_varlen_gpu.py found it

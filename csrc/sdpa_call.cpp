@@ -94,6 +94,7 @@ CallShape shape_of(const SdpaCall& call) {
   s.head_dim = call.query.sym_size(-1);
   s.head_dim_v = call.value.sym_size(-1);
   s.is_causal = call.is_causal;
+  s.fp16 = call.query.scalar_type() == at::kHalf;
   s.has_mask = call.attn_mask.has_value();
   s.dropout_p = call.dropout_p;
   return s;

@@ -54,6 +54,7 @@ struct CallShape {
   c10::SymInt head_dim = 8;
   c10::SymInt head_dim_v = 8;
   bool is_causal = false;
+  bool fp16 = false;  // float16 (bfloat16 otherwise, on the cuDNN path)
   bool has_mask = false;
   double dropout_p = 0.0;
   // A call of openwam::sdpa_varlen on cuDNN's ragged layout (s_q, s_kv: the

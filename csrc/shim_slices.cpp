@@ -14,13 +14,19 @@ struct SliceSize {
 
 // The slice sizes that divide the call evenly, largest first: every divisor
 // of the batch with all heads, then one batch element with every divisor of
-// the key/value heads.
+// the key/value heads. With one query row, no slice of one batch element
+// where the call has several: a slice is a cuDNN call of its own, and one
+// of batch 1 with one query row is the trigger of cudnn-frontend #1072 (NaN
+// in all of dK and dV; guard row sq1_nan_dk_dv) that the whole call, at
+// batch 2 or more, does not hit. (A call of batch 1 with one query row takes
+// the one-row plan before the shim, decision.cpp.)
 std::vector<SliceSize> even_sizes(const ShimShape& s) {
+  const int64_t min_batches = s.s_q == 1 && s.batch > 1 ? 2 : 1;
   std::vector<SliceSize> sizes;
-  for (int64_t b = s.batch; b >= 1; --b) {
+  for (int64_t b = s.batch; b >= min_batches; --b) {
     if (s.batch % b == 0) sizes.push_back({b, s.kv_heads});
   }
-  for (int64_t h = s.kv_heads - 1; h >= 1; --h) {
+  for (int64_t h = s.kv_heads - 1; h >= 1 && min_batches == 1; --h) {
     if (s.kv_heads % h == 0) sizes.push_back({1, h});
   }
   return sizes;

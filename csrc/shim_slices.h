@@ -51,7 +51,8 @@ int64_t stock_workspace_elements(const ShimShape& s);
 // least `min_key_tiles` (batch x query heads x key tiles of 128) each; where
 // none fits, the smallest that keeps them; a call with fewer tiles is one
 // slice. Batch slices first, then one batch element split along its
-// key/value heads.
+// key/value heads; with one query row, slices of two batch elements or more
+// only (one would be the call cudnn-frontend #1072 fails on).
 std::vector<ShimSlice> shim_slices(const ShimShape& s, int64_t min_key_tiles);
 
 // The part of the bias [B|1, H|1, L|1, S] that `slice` reads, as a slice of

@@ -68,6 +68,7 @@ const GuardRule* ragged_rule(const VarlenCall& call, long version) {
   shape.head_dim = call.query.sym_size(-1);
   shape.head_dim_v = call.value.sym_size(-1);
   shape.is_causal = call.is_causal;
+  shape.fp16 = call.query.scalar_type() == at::kHalf;
   shape.dropout_p = call.dropout_p;
   CallShape dense = shape;
   shape.ragged = true;

@@ -292,8 +292,19 @@ TEST_CASE("rule sq1_nan_dk_dv: conservative elsewhere, up to the newest known",
     CHECK_FALSE(r.hits(shape(2, 1, 1, 128, 64), v));
     CHECK_FALSE(r.hits(shape(1, 1, 2, 128, 64), v));
   }
-  // 9.19.0 has the measured row above.
+  // 9.19.0 has the measured row above, and its sweep found causal calls
+  // clean in bf16 at head_dim 64, 128 and 256...
   CHECK_FALSE(r.hits(shape(1, 4, 1, 300, 128), k9_19_0));
+  for (int64_t d : {64, 128, 256}) {
+    CAPTURE(d);
+    CHECK_FALSE(r.hits(shape(1, 4, 1, 300, d, true), k9_19_0));
+  }
+  // ...and no further (found in review): another head_dim, or fp16.
+  CHECK(r.hits(shape(1, 4, 1, 300, 96, true), k9_19_0));
+  CallShape fp16 = shape(1, 4, 1, 300, 128, true);
+  fp16.fp16 = true;
+  CHECK(r.hits(fp16, k9_19_0));
+  CHECK_FALSE(r.hits(shape(2, 4, 1, 300, 96, true), k9_19_0));
 }
 
 TEST_CASE("check_guards: no rule for an ordinary call", "[guards]") {

@@ -144,3 +144,26 @@ TEST_CASE("shim slices: slices that read the same part of the bias share it", "[
   REQUIRE(own.size() > 1);
   CHECK(!(bias_rows(full, own[0]) == bias_rows(full, own[1])));
 }
+
+TEST_CASE("shim slices: one query row keeps two batch elements or more a slice",
+          "[shim]") {
+  // B4 H24 1x4032 with a key mask (found in review): by size alone a slice
+  // of one batch element, a cuDNN call of batch 1 with one query row, which
+  // is cudnn-frontend #1072's trigger (NaN in all of dK and dV) where the
+  // call itself, batch 4, is clean.
+  const ShimShape one_row = key_mask(4, 24, 24, 1, 4096, 128);
+  const std::vector<ShimSlice> slices = shim_slices(one_row, kH200Tiles);
+  check_cover(one_row, slices);
+  for (const ShimSlice& slice : slices) {
+    CHECK(slice.batches >= 2);
+    CHECK(slice.kv_heads == 24);
+  }
+  // The same call with two query rows may go down to one batch element.
+  const ShimShape two_rows = key_mask(4, 24, 24, 2, 4096, 128);
+  CHECK(shim_slices(two_rows, kH200Tiles)[0].batches == 1);
+  // A prime batch has no divisor but itself above 1: one slice, whole.
+  const ShimShape prime = key_mask(5, 24, 24, 1, 4096, 128);
+  const std::vector<ShimSlice> whole = shim_slices(prime, kH200Tiles);
+  REQUIRE(whole.size() == 1);
+  CHECK(whole[0] == ShimSlice{0, 5, 0, 24});
+}
