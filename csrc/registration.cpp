@@ -19,12 +19,17 @@ TORCH_LIBRARY(openwam, m) {
   // (and the fix inside the backward) whole. 4-D [B, H, S, E] inputs, key and
   // value may have fewer heads; attn_bias additive in query's dtype; `plan`
   // is a Plan (plan.h). Outputs as ATen's cuDNN attention gives them;
-  // logsumexp is empty unless compute_log_sumexp.
+  // logsumexp is empty unless compute_log_sumexp. Seeded (its dropout draws
+  // from the CUDA generator), as ATen's attention ops are: a compiled
+  // graph's activation checkpointing then recomputes it with the forward's
+  // generator state (torch._functorch.partitioners.functionalize_rng_ops),
+  // not a new dropout pattern the backward would differentiate silently.
   m.def(
       "_cudnn_sdpa(Tensor query, Tensor key, Tensor value, Tensor? attn_bias, "
       "float dropout_p, bool is_causal, float? scale, bool compute_log_sumexp, "
       "int plan) -> (Tensor out, Tensor logsumexp, Tensor philox_seed, "
-      "Tensor philox_offset)");
+      "Tensor philox_offset)",
+      {at::Tag::nondeterministic_seeded});
   m.def(
       "_cudnn_sdpa_backward(Tensor grad_out, Tensor query, Tensor key, "
       "Tensor value, Tensor? attn_bias, Tensor out, Tensor logsumexp, "

@@ -272,12 +272,13 @@ TORCH_LIBRARY_FRAGMENT(openwam, m) {
   // gives them (the Meta kernel knows each). Without compute_log_sumexp (a
   // call nothing will differentiate) the logsumexp is empty and cuDNN's
   // ragged engine runs its inference graph (no statistics, no backward graph
-  // prepared).
+  // prepared). Seeded, as openwam::_cudnn_sdpa (registration.cpp says why).
   m.def(
       "_sdpa_varlen(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, "
       "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, "
       "bool is_causal, float? scale, int backend, bool compute_log_sumexp=True) -> "
-      "(Tensor out, Tensor logsumexp, Tensor rng_state, Tensor rng_offset)");
+      "(Tensor out, Tensor logsumexp, Tensor rng_state, Tensor rng_offset)",
+      {at::Tag::nondeterministic_seeded});
   m.def(
       "_sdpa_varlen_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, "
       "Tensor out, Tensor logsumexp, Tensor rng_state, Tensor rng_offset, "

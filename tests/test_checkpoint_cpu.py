@@ -65,3 +65,52 @@ def test_varlen(is_causal, use_reentrant):
         return openwam_sdpa.varlen_sdpa(q, k, v, cu, cu, longest, longest, is_causal=is_causal)
 
     assert_same(grads(fn, (q, k, v), use_reentrant), grads(fn, (q, k, v), None))
+
+
+def backward_graph_of_checkpointed(fn, *leaves):
+    """The backward graph torch.compile builds for fn under non-reentrant
+    checkpoint (the partitioner recomputes the checkpointed forward there)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(graph, example_inputs):
+        graphs.append(graph)
+        return graph
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *xs: checkpoint(fn, *xs, use_reentrant=False),
+                             backend=aot_autograd(fw_compiler=keep, bw_compiler=keep),
+                             fullgraph=True)
+    compiled(*leaves).sum().backward()
+    torch._dynamo.reset()
+    assert len(graphs) == 2, graphs
+    return graphs[1]
+
+
+@pytest.mark.parametrize("op", ["dense", "varlen"])
+def test_compiled_recompute_replays_the_forward_generator_state(op):
+    """The forward leaf ops draw their dropout from the generator. Recomputed
+    under a compiled graph's checkpoint, they must draw the forward's pattern
+    again: tagged nondeterministic_seeded, the partitioner runs the recompute
+    with the generator state the forward saved (run_with_rng_state). Untagged,
+    the backward differentiated a fresh pattern (found in review; the CPU
+    kernels have no dropout, so the graph is what shows it here)."""
+    g = torch.Generator().manual_seed(2)
+    if op == "dense":
+        leaves = [torch.randn(2, 3, 6, 16, generator=g, requires_grad=True) for _ in range(3)]
+
+        def fn(q, k, v):
+            return FWD(q, k, v, None, 0.0, False, None, True, 0)[0]
+    else:
+        cu, longest = cu_seqlens_from_lengths([3, 1, 5])
+        leaves = [torch.randn(9, 2, 8, generator=g, requires_grad=True) for _ in range(3)]
+
+        def fn(q, k, v):
+            return openwam_sdpa.varlen_sdpa(q, k, v, cu, cu, longest, longest)
+
+    leaf = {"dense": "openwam._cudnn_sdpa", "varlen": "openwam._sdpa_varlen"}[op]
+    code = backward_graph_of_checkpointed(fn, *leaves).code
+    recompute = [line for line in code.splitlines() if leaf + "." in line]
+    assert recompute, code
+    assert all("run_with_rng_state" in line for line in recompute), "\n".join(recompute)
