@@ -291,10 +291,13 @@ Tensors3 sliced_shim_backward(const Engine& engine, const at::Tensor& grad_out,
     const auto padded = [&](const at::Tensor& t) {
       return pad_dim(kv_side(t), 2, shape.s_kv_padded, 0, PadWrite::kLeafKernel);
     };
+    // The slice's rows of q, out and grad_out start on 16 bytes (head_dim is a
+    // multiple of 8); its logsumexp, L floats a row, need not (B4 H18 at
+    // L 4095: 8 bytes off), and both engines' graphs assume 16 (found in review).
     auto [dq_s, dk_s, dv_s] =
         engine.backward(q_side(grad_out), q, padded(key), padded(value), q_side(out),
-                        q_side(logsumexp), philox_seed, philox_offset, padded_bias, 0.0, false,
-                        scale);
+                        aligned_operand(q_side(logsumexp)), philox_seed, philox_offset,
+                        padded_bias, 0.0, false, scale);
     if (slices.size() == 1) {
       dq = dq_s;
     } else {
@@ -363,14 +366,15 @@ Tensors3 backward_with_plan(const at::Tensor& grad_out, const at::Tensor& query,
   check_leaf_inputs("openwam::_cudnn_sdpa_backward",
                     {query, key, value, attn_bias, grad_out, out, logsumexp}, engine.cuda);
   if (engine.cuda && !(is_aligned(grad_out) && is_aligned(query) && is_aligned(key) &&
-                       is_aligned(value) && is_aligned(attn_bias) && is_aligned(out))) {
+                       is_aligned(value) && is_aligned(attn_bias) && is_aligned(out) &&
+                       is_aligned(logsumexp))) {
     // As in forward_with_plan; the gradients come back laid out like the
     // copies, which is how empty_like lays out the inputs' own.
     return backward_with_plan<engine>(aligned_operand(grad_out), aligned_operand(query),
                                       aligned_operand(key), aligned_operand(value),
                                       aligned_operand(attn_bias), aligned_operand(out),
-                                      logsumexp, philox_seed, philox_offset, dropout_p,
-                                      is_causal, scale, plan_bits);
+                                      aligned_operand(logsumexp), philox_seed, philox_offset,
+                                      dropout_p, is_causal, scale, plan_bits);
   }
   const Plan plan = plan_of_call("openwam::_cudnn_sdpa_backward", plan_bits, dropout_p);
   // An upstream gradient broadcast along head_dim (out.sum().backward()
@@ -454,23 +458,27 @@ constexpr Engine kAtenEngine{&cudnn_forward, &cudnn_backward, true};
 
 #ifdef OPENWAM_WITH_CUDNN_FRONTEND
 // A call whose graph the frontend cannot build runs on ATen's cuDNN attention
-// with the plan's padded inputs. Said once per reason: the configuration is
-// in it.
+// with the plan's padded inputs. Said once per reason (the configuration is
+// in it), for the first few: a family of such shapes would warn every step.
 void note_fallback(const std::string& why_not, const Plan& plan) {
+  constexpr size_t kMaxWarned = 8;
   frontend::stats().aten_fallback_calls++;
   static std::mutex mutex;
   static std::set<std::string> said;
+  size_t warned = 0;
   {
     std::lock_guard<std::mutex> lock(mutex);
-    if (!said.insert(why_not).second) {
+    if (said.size() >= kMaxWarned || !said.insert(why_not).second) {
       return;
     }
+    warned = said.size();
   }
   Plan fallback = plan;
   fallback.padding_mask = false;
   TORCH_WARN("openwam_sdpa: the cuDNN frontend cannot build a graph for this call (", why_not,
              "); it runs on ATen's cuDNN attention with the fix '", fallback.to_string(),
-             "'. openwam_sdpa.frontend_stats() lists every such configuration.");
+             "'. openwam_sdpa.frontend_stats() lists such configurations",
+             warned == kMaxWarned ? " (the last such warning of this process)." : ".");
 }
 
 // The frontend's backward on inputs a plan padded: the K/V shim runs without

@@ -15,4 +15,17 @@ namespace openwam::frontend {
 std::pair<at::Tensor, at::Tensor> dropout_seed_offset(const c10::Device& device,
                                                       uint64_t increment);
 
+// A backward's check of the seed and offset it binds for its kernel: the
+// forward's, one int64 each on `device`. Only a direct call of a private
+// backward op passes others (host tensors would reach the kernel).
+inline void check_seed_offset(const char* op, const at::Tensor& seed, const at::Tensor& offset,
+                              const c10::Device& device) {
+  for (const at::Tensor* t : {&seed, &offset}) {
+    TORCH_CHECK(t->device() == device && t->scalar_type() == at::kLong && t->numel() == 1, op,
+                ": the dropout seed and offset must be the forward's (one int64 each on ",
+                device, "), got ", t->scalar_type(), " of ", t->numel(), " elements on ",
+                t->device());
+  }
+}
+
 }  // namespace openwam::frontend

@@ -28,8 +28,13 @@ struct Entry {
 struct GraphCache {
   std::mutex mutex;
   LruCache<SdpaGraphKey, Entry, SdpaGraphKeyHash> cache{kGraphCacheCapacity};
-  std::vector<std::string> failures;  // every configuration that did not build
+  std::vector<std::string> failures;  // configurations that did not build, oldest first
 };
+
+// Failures listed at most: a family of unbuildable shapes (a new sequence
+// length each step) would grow the list, and its search under the lock, for
+// good. frontend_stats()'s graph_build_failures counts every one.
+constexpr size_t kMaxListedFailures = 64;
 
 GraphCache& graph_cache() {
   // Never destroyed: graphs hold cuDNN objects, which must not be freed after
@@ -80,7 +85,8 @@ std::shared_ptr<const BuiltGraph> graph_for(const SdpaGraphKey& key, std::string
   std::lock_guard<std::mutex> lock(c.mutex);
   if (e.graph == nullptr) {
     std::string failure = key.describe() + ": " + e.why_not;
-    if (std::find(c.failures.begin(), c.failures.end(), failure) == c.failures.end()) {
+    if (c.failures.size() < kMaxListedFailures &&
+        std::find(c.failures.begin(), c.failures.end(), failure) == c.failures.end()) {
       c.failures.push_back(std::move(failure));
     }
   }

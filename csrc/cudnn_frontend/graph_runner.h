@@ -46,8 +46,9 @@ std::unordered_map<int64_t, void*> forward_pack(const at::Tensor& query, const a
 void run(const BuiltGraph& graph, std::unordered_map<int64_t, void*>& pack,
          const SdpaGraphKey& key);
 
-// Every configuration whose graph could not be built in this process, as
-// "<configuration>: <reason>", oldest first (explain() and the doctor).
+// The configurations whose graph could not be built in this process, as
+// "<configuration>: <reason>", oldest first, the first 64 (explain() and the
+// doctor; stats().graph_build_failures counts them all).
 std::vector<std::string> build_failures();
 
 // Drops every cached graph (tests that count builds start from a clean cache).

@@ -49,6 +49,12 @@ void check_call(const char* op, const at::Tensor& query, const at::Tensor& key,
   TORCH_CHECK(cu_q.scalar_type() == at::kInt && cu_k.scalar_type() == at::kInt &&
                   cu_q.dim() == 1 && cu_q.sizes() == cu_k.sizes() && cu_q.size(0) >= 1,
               op, ": cu_seqlens_q/k must be int32 [batch + 1] of one size");
+  // A kernel reads them (ragged_offsets.cu).
+  TORCH_CHECK(cu_q.device() == query.device() && cu_k.device() == query.device() &&
+                  key.device() == query.device() && value.device() == query.device(),
+              op, ": query, key, value and cu_seqlens_q/k must be on one device, got ",
+              query.device(), ", ", key.device(), ", ", value.device(), ", ", cu_q.device(),
+              " and ", cu_k.device());
 }
 
 RaggedDims dims_of(const at::Tensor& query, const at::Tensor& key, const at::Tensor& cu_q,
@@ -213,6 +219,8 @@ bool ragged_backward(const at::Tensor& grad_out, const at::Tensor& query_in,
   const RaggedOffsets offsets = offsets_for(bwd, cu_q, cu_k, cu_q.size(0) - 1);
   bind_offsets(pack, offsets, true, true);
   if (dropout_p > 0.0) {
+    check_seed_offset("openwam::_sdpa_varlen_backward", philox_seed, philox_offset,
+                      query.device());
     pack[kSeed] = philox_seed.data_ptr();
     pack[kOffset] = philox_offset.data_ptr();
   }

@@ -164,22 +164,25 @@ bool sdpa_backward(const at::Tensor& grad_out_in, const at::Tensor& query_in,
   if (graph == nullptr) {
     return false;
   }
-  // The statistics the forward wrote: float32 [B, H, L, 1], packed.
-  TORCH_INTERNAL_ASSERT(logsumexp.dim() == 4 && logsumexp.size(0) == query.size(0) &&
-                        logsumexp.size(1) == query.size(1) &&
-                        logsumexp.size(2) == query.size(2) && logsumexp.is_contiguous() &&
-                        logsumexp.scalar_type() == at::kFloat);
+  // The statistics the forward wrote: float32 [B, H, L, 1], packed; aligned as
+  // the other operands (a slice of them need not start on 16 bytes).
+  const at::Tensor lse = aligned_operand(logsumexp);
+  TORCH_INTERNAL_ASSERT(lse.dim() == 4 && lse.size(0) == query.size(0) &&
+                        lse.size(1) == query.size(1) && lse.size(2) == query.size(2) &&
+                        lse.is_contiguous() && lse.scalar_type() == at::kFloat);
   at::Tensor dq = empty_gradient(query), dk = empty_gradient(key), dv = empty_gradient(value);
   float scale_by_value = scale_value(scale, query);
   std::unordered_map<int64_t, void*> pack = {
       {kQ, query.data_ptr()},      {kK, key.data_ptr()},         {kV, value.data_ptr()},
       {kO, out.data_ptr()},        {kGradOut, grad_out.data_ptr()},
-      {kStats, logsumexp.data_ptr()}, {kGradQ, dq.data_ptr()},    {kGradK, dk.data_ptr()},
+      {kStats, lse.data_ptr()},    {kGradQ, dq.data_ptr()},      {kGradK, dk.data_ptr()},
       {kGradV, dv.data_ptr()},     {kScale, &scale_by_value}};
   if (bias.defined()) {
     pack[kBias] = bias.data_ptr();
   }
   if (dropout_p > 0.0) {
+    check_seed_offset("openwam::_cudnn_sdpa_backward", philox_seed, philox_offset,
+                      query.device());
     pack[kSeed] = philox_seed.data_ptr();
     pack[kOffset] = philox_offset.data_ptr();
   }
