@@ -81,6 +81,45 @@ def test_compiled_op_has_no_nonfinite_gradient(backend, dynamic, setting, mask_k
     assert_within_stock(compiled, eager, ref, torch.bfloat16, names="out dq dk dv")
 
 
+@pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"],
+                         ids=["eager", "aot_eager", "inductor"])
+def test_checkpoint_recompute_keeps_the_dropout_pattern(backend, ow):
+    """Under activation checkpointing the backward recomputes the forward, and
+    must draw the forward's dropout pattern again. With V the identity
+    (S_kv == head_dim), out is the dropped and rescaled attention P', and
+    dV = P'^T grad_out = out^T grad_out: a fresh pattern in the recompute
+    breaks that by the share of entries it drops differently. Compiled, the
+    partitioner replays the generator state only for ops tagged
+    nondeterministic_seeded (the leaf op is; before, it was not)."""
+    from torch.utils.checkpoint import checkpoint
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    b, h, s_q, s = 2, 4, 64, 128
+    q, k = (torch.randn(b, h, s_q if i == 0 else s, s, generator=g, device="cuda",
+                        dtype=torch.bfloat16).requires_grad_() for i in range(2))
+    v = torch.eye(s, device="cuda", dtype=torch.bfloat16).expand(b, h, s, s).clone()
+    v.requires_grad_()
+    go = torch.randn(b, h, s_q, s, generator=g, device="cuda", dtype=torch.bfloat16)
+
+    def block(q, k, v):
+        return ow.sdpa(q, k, v, dropout_p=0.25)
+
+    def checkpointed(q, k, v):
+        return checkpoint(block, q, k, v, use_reentrant=False)
+
+    info = ow.explain(q, k, v, dropout_p=0.25)
+    assert info["route"] == "cudnn", info
+    torch._dynamo.reset()
+    fn = checkpointed if backend is None else torch.compile(checkpointed, backend=backend,
+                                                             fullgraph=True)
+    out = fn(q, k, v)
+    (dv,) = torch.autograd.grad(out, (v,), go)
+    torch._dynamo.reset()
+    want = out.float().transpose(-2, -1) @ go.float()
+    error = (dv.float() - want).norm() / want.norm()
+    assert error < 0.02, f"dV against out^T grad_out: normalised error {error:.3f}"
+
+
 def test_graphs_hold_the_ops_forward_and_backward(ow):
     """What AOTAutograd traces at default settings on an affected key length:
     the leaf ops, the plan as an argument, no aten cuDNN attention and no
