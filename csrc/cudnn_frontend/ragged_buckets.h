@@ -44,4 +44,16 @@ constexpr RaggedDims bucketed(const RaggedDims& d) {
           bucket_up(d.total_kv, kRaggedMinSequence)};
 }
 
+// A call's graph dims: its sequences, max_seqlen_q/k and the packed totals,
+// bucketed. No sequence is longer than its side's total, so a max_seqlen
+// above it (a bound the caller rounded up; the op takes any int64) counts as
+// the total: the graph is no larger than the buffers, and bucket_up never
+// meets a length past 2^62, where doubling would overflow (found in review:
+// max_seqlen 2^62 + 1 looped for good).
+constexpr RaggedDims call_dims(int64_t sequences, int64_t max_q, int64_t max_k,
+                               int64_t total_q, int64_t total_kv) {
+  return bucketed({sequences, max_q < total_q ? max_q : total_q,
+                   max_k < total_kv ? max_k : total_kv, total_q, total_kv});
+}
+
 }  // namespace openwam::frontend

@@ -42,9 +42,11 @@ void check_call(const char* op, const at::Tensor& query, const at::Tensor& key,
               value.scalar_type());
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3 &&
                   value.size(2) == query.size(2) && key.size(2) == query.size(2) &&
-                  key.size(1) == value.size(1) && query.size(1) % key.size(1) == 0,
+                  key.size(0) == value.size(0) && key.size(1) == value.size(1) &&
+                  key.size(1) > 0 && query.size(1) % key.size(1) == 0,
               op, ": cuDNN's ragged layout takes packed [total, heads, head_dim] tensors with "
-              "one head_dim and query heads a multiple of key/value heads, got query ",
+              "one head_dim, key and value of one total, and query heads a multiple of "
+              "key/value heads, got query ",
               query.sizes(), ", key ", key.sizes(), ", value ", value.sizes());
   TORCH_CHECK(cu_q.scalar_type() == at::kInt && cu_k.scalar_type() == at::kInt &&
                   cu_q.dim() == 1 && cu_q.sizes() == cu_k.sizes() && cu_q.size(0) >= 1,
@@ -59,7 +61,7 @@ void check_call(const char* op, const at::Tensor& query, const at::Tensor& key,
 
 RaggedDims dims_of(const at::Tensor& query, const at::Tensor& key, const at::Tensor& cu_q,
                    int64_t max_q, int64_t max_k) {
-  return bucketed({cu_q.size(0) - 1, max_q, max_k, query.size(0), key.size(0)});
+  return call_dims(cu_q.size(0) - 1, max_q, max_k, query.size(0), key.size(0));
 }
 
 SdpaGraphKey forward_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -100,6 +102,16 @@ SdpaGraphKey backward_key(const SdpaGraphKey& fwd, const at::Tensor& q, const at
   key.max_total_q = d.total_q;
   key.max_total_kv = d.total_kv;
   return key;
+}
+
+// An operand of the forward graph, aligned. A head-major buffer ([H, total, E]
+// seen as [total, H, E]) is copied into rows: its head stride is the total,
+// which the graph holds, so each batch's total would build a graph of its own
+// (no bucket covers it); a token-major one, a slice of a packed qkv projection
+// included, is taken as it is.
+at::Tensor forward_operand(const at::Tensor& t) {
+  const bool head_major = t.size(0) > 1 && t.size(1) > 1 && t.stride(1) > t.stride(0);
+  return aligned_operand(head_major ? t.contiguous() : t);
 }
 
 // An operand of the backward graph: contiguous (backward_key), and aligned.
@@ -146,8 +158,8 @@ bool ragged_forward(const at::Tensor& query_in, const at::Tensor& key_in,
   // cuDNN's handle, the workspace and the graph build follow the current
   // device: make it the inputs' (a model spread over GPUs calls from another).
   const c10::cuda::CUDAGuard device(query_in.device());
-  const at::Tensor query = aligned_operand(query_in), key = aligned_operand(key_in),
-                   value = aligned_operand(value_in);
+  const at::Tensor query = forward_operand(query_in), key = forward_operand(key_in),
+                   value = forward_operand(value_in);
   const RaggedDims d = dims_of(query, key, cu_q, max_q, max_k);
   at::Tensor out = at::empty({query.size(0), query.size(1), value.size(2)}, query.options());
   const SdpaGraphKey fwd = forward_key(query, key, value, out, d, dropout_p, is_causal, training);

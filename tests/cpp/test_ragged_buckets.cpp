@@ -15,6 +15,7 @@
 
 using openwam::frontend::bucket_up;
 using openwam::frontend::bucketed;
+using openwam::frontend::call_dims;
 using openwam::frontend::kRaggedMinSequence;
 using openwam::frontend::RaggedDims;
 
@@ -36,6 +37,16 @@ TEST_CASE("ragged buckets: each dimension covers the real one", "[frontend]") {
   const RaggedDims one = bucketed({1, 1, 1, 1, 1});
   CHECK(one == RaggedDims{1, kRaggedMinSequence, kRaggedMinSequence, kRaggedMinSequence,
                           kRaggedMinSequence});
+}
+
+TEST_CASE("ragged buckets: a max_seqlen above the total counts as the total", "[frontend]") {
+  // As bucketed where max_seqlen bounds the longest sequence...
+  CHECK(call_dims(3, 100, 90, 269, 250) == bucketed({3, 100, 90, 269, 250}));
+  // ...and never past the total, up to int64's range (2^62 + 1 had looped for
+  // good in bucket_up; found in review).
+  CHECK(call_dims(3, 5000, (int64_t{1} << 62) + 1, 269, 250) ==
+        bucketed({3, 269, 250, 269, 250}));
+  CHECK(call_dims(1, INT64_MAX, INT64_MAX, 1, 1) == bucketed({1, 1, 1, 1, 1}));
 }
 
 TEST_CASE("ragged buckets: 200 lognormal batches meet few configurations", "[frontend]") {

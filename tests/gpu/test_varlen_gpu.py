@@ -232,6 +232,25 @@ def test_graph_builds_over_200_lognormal_batches(engine_setting, suite_results):
     assert len(backwards) <= 12, sorted(backwards)
 
 
+def test_head_major_batches_share_their_bucket(engine_setting):
+    """Head-major buffers ([H, total, E] seen as [total, H, E], as transformers'
+    packed layers hand them over) of three totals in one bucket build one
+    forward and one backward graph. The forward had taken their head stride,
+    the total, into the graph: a graph per batch (found in review)."""
+    engine_setting("cudnn")
+    openwam_sdpa.clear_graph_cache()
+    openwam_sdpa.frontend_stats(reset=True)
+    g = torch.Generator(device="cuda").manual_seed(17)
+    for last in (69, 80, 100):  # totals 269, 280, 300: 3 sequences, longest 100
+        lengths = [100, 100, last]
+        total = sum(lengths)
+        q, k, v = (torch.randn(4, total, 64, device="cuda", dtype=DTYPE, generator=g)
+                   .transpose(0, 1).requires_grad_() for _ in range(3))
+        cu = torch.tensor([0, 100, 200, total], device="cuda", dtype=torch.int32)
+        openwam_sdpa.varlen_sdpa(q, k, v, cu, cu, 100, 100, is_causal=True).sum().backward()
+    assert openwam_sdpa.frontend_stats()["ragged_graphs_built"] == 2
+
+
 @pytest.mark.parametrize("engine", IN_PROCESS_ENGINES)
 def test_activation_checkpointing(engine, engine_setting):
     """Non-reentrant torch.utils.checkpoint recomputes the forward inside the
@@ -454,8 +473,9 @@ def test_strided_and_misaligned_operands(engine, layout, engine_setting):
     """Both fused engines on packed inputs that are views: misaligned starts or
     rows (run on aligned copies: frontend 1.32 refused them, FlashAttention-2
     loads 16-byte vectors), slices of a packed qkv projection and head-major
-    buffers (the ragged forward takes their strides as they are; its backward,
-    which got dQ wrong on them on cuDNN 9.19.0, runs on contiguous copies);
+    buffers (the ragged forward takes a slice's strides as they are and copies
+    head-major buffers into rows; its backward, which got dQ wrong on both on
+    cuDNN 9.19.0, runs on contiguous copies);
     each sequence against F.sdpa on it alone in float64."""
     engine_setting(engine)
     ow = openwam_sdpa
