@@ -54,3 +54,48 @@ def test_openwam_sdpa_matches_sdpa_on_a_left_padded_batch(arch):
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], msg=lambda m, n=name: f"{n}: {m}")
+
+
+def sparse_attention_model(name, attn):
+    """A tiny DeepSeek-V3.2-style model: an indexer picks each query's top 4
+    keys, so the attention is sparse over a sequence of 12."""
+    import transformers
+
+    classes = {"deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
+               "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM")}[name]
+    if not hasattr(transformers, classes[1]):
+        pytest.skip(f"transformers {transformers.__version__} has no {classes[1]}")
+    config = getattr(transformers, classes[0])(
+        vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16,
+        q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, head_dim=8,
+        index_topk=4, index_head_dim=16, index_n_heads=2, first_k_dense_replace=1,
+        max_position_embeddings=64, use_cache=False)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+
+
+@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_attention_models_keep_their_selection(name):
+    """transformers applies the indexer's top-k selection as a mask only for
+    a backend named "eager" or "sdpa"; others get it as `indices=`, which
+    the backend had dropped: dense attention, logits off by 0.1 (found in
+    review). The backend now masks as "sdpa" does."""
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = sparse_attention_model(name, "openwam_sdpa")(input_ids=ids).logits
+        ref = sparse_attention_model(name, "sdpa")(input_ids=ids).logits
+    torch.testing.assert_close(ours, ref)
+
+
+def test_block_sparse_selection_is_refused_not_dropped():
+    """MiniMax-M3's block selection (`block_indices=`) is built from inputs the
+    backend does not see: the backend refuses it, naming the way out."""
+    from openwam_sdpa.transformers_integration import _sparse_selection_as_mask
+
+    q = torch.zeros(1, 2, 3, 8)
+    with pytest.raises(NotImplementedError, match="attn_implementation='sdpa'"):
+        _sparse_selection_as_mask(torch.nn.Module(), q, q, None,
+                                  {"block_indices": torch.zeros(1, 3, 1, dtype=torch.long)})
+    assert _sparse_selection_as_mask(torch.nn.Module(), q, q, None, {"block_indices": None}) is None

@@ -467,19 +467,24 @@ def test_unpad_setting_leaves_cross_attention_alone(monkeypatch):
     assert calls == 1  # the encoder's self-attention (the decoder's is unpadded: no padding)
 
 
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no_cache"])
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_generate_from_a_padded_prompt_gives_sdpas_tokens(side):
+def test_generate_from_a_padded_prompt_gives_sdpas_tokens(side, use_cache):
     """generate() gives a padded prompt's padding tokens position 0
     (transformers 5.25), so the prompt reads as a packing. Its padding
     queries keep transformers' mask: a right-padded prompt's last row, which
     picks the next token, had seen its padding token alone, and the greedy
-    tokens differed from "sdpa"'s (found in review)."""
+    tokens differed from "sdpa"'s (found in review). Without a cache each
+    step runs the whole row, the new tokens after the padding, whose
+    positions restart in it: a sequence that starts at a padding token
+    continues the prompt's (its real queries had lost the prompt)."""
     ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(1))
     mask = torch.tensor([[0, 0, 0] + [1] * 9])
     mask = mask if side == "left" else mask.flip(-1)
-    model = tiny_model("llama", use_cache=True).eval()
+    model = tiny_model("llama", use_cache=use_cache).eval()
     args = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
                 output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    args["use_cache"] = use_cache
     with torch.no_grad():
         ours = model.generate(**args)
         model.set_attn_implementation("sdpa")

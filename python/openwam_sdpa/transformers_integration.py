@@ -146,13 +146,23 @@ def _rows_from_mask(mask, is_causal):
     return indices, cu, max_len
 
 
-def _same_sequence(cu, total):
+def _same_sequence(cu, total, mask=None):
     """[T, T] bool: whether packed rows i and j lie in one sequence of `cu`
-    (no host sync)."""
+    (no host sync). With the row's bool mask [1, 1|H, T, T], a sequence that
+    starts at a padding token (one whose own key the mask hides from it)
+    continues the one before: generate() gives padding position 0, so a
+    right-padded prompt followed by new tokens (generate(use_cache=False))
+    reads as a sequence starting in the padding, whose real queries had lost
+    the prompt (greedy tokens unlike "sdpa"'s; found in review)."""
     import torch
 
     rows = torch.arange(total, device=cu.device, dtype=cu.dtype)
     sequence = torch.searchsorted(cu[1:].contiguous(), rows, right=True)
+    if mask is not None:
+        padding = ~mask.diagonal(dim1=-2, dim2=-1).any(-2).reshape(-1)
+        starts = torch.ones_like(padding)
+        starts[1:] = (sequence[1:] != sequence[:-1]) & ~padding[1:]
+        sequence = torch.cumsum(starts, 0)
     return sequence[:, None] == sequence[None, :]
 
 
@@ -185,7 +195,7 @@ def _mask_beyond_packing(mask, cu, is_causal, cu_k=None):
     own cu_seqlens, must equal `cu` (else the mask as it is). One host sync."""
     import torch
 
-    same = _same_sequence(cu, mask.shape[-1])
+    same = _same_sequence(cu, mask.shape[-1], mask)
     # In place: three [T, T] bools at most (T = 16k: 0.8 GB for a moment).
     beyond = torch.logical_xor(mask, same.tril() if is_causal else same)
     beyond &= same
@@ -302,7 +312,8 @@ def packed_attention(module, query, key, value, attention_mask, **kwargs):
         # the packing (with a cache): restricted to each sequence, as the
         # varlen path attends.
         mask = _apart.get((attention_mask,) + source, module,
-                          lambda *_: _within_sequences(attention_mask, _same_sequence(cu, q_len), causal))
+                          lambda *_: _within_sequences(
+                              attention_mask, _same_sequence(cu, q_len, attention_mask), causal))
         return sdpa_path(module, query, key, value, mask, **kwargs)
     if attention_mask is not None:
         dense = _mask_check.get((attention_mask,) + source, module,
@@ -315,6 +326,36 @@ def packed_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 _sdpa_attention_forward = None  # transformers', set by register()
+
+
+def _sparse_selection_as_mask(module, query, key, attention_mask, kwargs):
+    """The mask with a sparse-attention model's selection in it, as
+    transformers builds it for "sdpa". DeepSeek-V3.2-style models (an indexer
+    picks each query's top-k keys: deepseek_v32, glm_moe_dsa, mistral_large4
+    and others) apply the selection as a mask only for a backend named
+    "eager" or "sdpa"; any other gets it as `indices=` for kernels that read
+    it, and had attended densely (logits off by 0.1; found in review).
+    MiniMax-M3's block selection (`block_indices=`) is built by its indexer
+    with inputs the backend does not get: refused rather than dropped."""
+    import torch
+
+    if kwargs.get("block_indices") is not None:
+        raise NotImplementedError(
+            f"attn_implementation={NAME!r}: {type(module).__name__} selects key blocks per query "
+            "(block_indices), which transformers applies as a mask only for a backend named "
+            "'sdpa' or 'eager'; load this model with attn_implementation='sdpa' and call "
+            "openwam_sdpa.patch() for the op.")
+    indices = kwargs.pop("indices", None)
+    if indices is None:
+        return attention_mask
+    batch, _, q_len, _ = query.shape
+    hidden = indices.new_ones((batch, q_len, key.shape[2]), dtype=torch.bool).scatter(
+        -1, indices.long(), False).unsqueeze(1)
+    if attention_mask is None:
+        return ~hidden
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & ~hidden
+    return attention_mask.masked_fill(hidden, torch.finfo(query.dtype).min)
 
 
 def sdpa_path(module, query, key, value, attention_mask, **kwargs):
@@ -339,6 +380,7 @@ def register() -> bool:
     _sdpa_attention_forward = sdpa_attention_forward
 
     def openwam_attention_forward(module, query, key, value, attention_mask, **kwargs):
+        attention_mask = _sparse_selection_as_mask(module, query, key, attention_mask, kwargs)
         packed = packed_attention(module, query, key, value, attention_mask, **kwargs)
         if packed is not None:
             return packed
