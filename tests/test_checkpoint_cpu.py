@@ -71,12 +71,13 @@ def backward_graph_of_checkpointed(fn, *leaves):
     """The backward graph torch.compile builds for fn under non-reentrant
     checkpoint (the partitioner recomputes the checkpointed forward there)."""
     from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
 
     graphs = []
 
     def keep(graph, example_inputs):
         graphs.append(graph)
-        return graph
+        return make_boxed_func(graph)
 
     torch._dynamo.reset()
     compiled = torch.compile(lambda *xs: checkpoint(fn, *xs, use_reentrant=False),
@@ -88,14 +89,35 @@ def backward_graph_of_checkpointed(fn, *leaves):
     return graphs[1]
 
 
+def test_forward_leaf_ops_are_seeded():
+    """The forward leaf ops draw their dropout from the generator: tagged
+    nondeterministic_seeded, as ATen's attention ops are, so that a compiled
+    graph's checkpoint recomputes them with the forward's generator state.
+    The backward ops replay the state they are given: untagged."""
+    seeded = torch.Tag.nondeterministic_seeded
+    assert seeded in torch.ops.openwam._cudnn_sdpa.default.tags
+    assert seeded in torch.ops.openwam._sdpa_varlen.default.tags
+    assert seeded not in torch.ops.openwam._cudnn_sdpa_backward.default.tags
+    assert seeded not in torch.ops.openwam._sdpa_varlen_backward.default.tags
+
+
+def _partitioner_replays_zero_dropout():
+    """torch 2.14 and later replay a recomputed op with a dropout_p argument
+    only where dropout_p may be non-zero; the CPU kernels have no dropout."""
+    from torch._functorch import partitioners
+
+    return not hasattr(partitioners, "is_nonzero_dropout_sdpa")
+
+
+@pytest.mark.skipif(not _partitioner_replays_zero_dropout(),
+                    reason="this torch replays a recomputed op only with dropout, which the CPU "
+                           "kernels lack: tests/gpu/test_compile_gpu.py checks the replay there")
 @pytest.mark.parametrize("op", ["dense", "varlen"])
 def test_compiled_recompute_replays_the_forward_generator_state(op):
-    """The forward leaf ops draw their dropout from the generator. Recomputed
-    under a compiled graph's checkpoint, they must draw the forward's pattern
-    again: tagged nondeterministic_seeded, the partitioner runs the recompute
+    """Recomputed under a compiled graph's checkpoint, a forward leaf op runs
     with the generator state the forward saved (run_with_rng_state). Untagged,
-    the backward differentiated a fresh pattern (found in review; the CPU
-    kernels have no dropout, so the graph is what shows it here)."""
+    the backward differentiated a fresh dropout pattern (found in review; the
+    CPU kernels have no dropout, so the graph is what shows it here)."""
     g = torch.Generator().manual_seed(2)
     if op == "dense":
         leaves = [torch.randn(2, 3, 6, 16, generator=g, requires_grad=True) for _ in range(3)]
