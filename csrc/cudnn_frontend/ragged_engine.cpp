@@ -193,8 +193,8 @@ bool ragged_forward(const at::Tensor& query_in, const at::Tensor& key_in,
 }
 
 bool ragged_backward(const at::Tensor& grad_out, const at::Tensor& query_in,
-                     const at::Tensor& key_in, const at::Tensor& value_in, const at::Tensor& out,
-                     const at::Tensor& logsumexp,
+                     const at::Tensor& key_in, const at::Tensor& value_in,
+                     const at::Tensor& out_in, const at::Tensor& logsumexp_in,
                      const at::Tensor& philox_seed, const at::Tensor& philox_offset,
                      const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q,
                      int64_t max_k, double dropout_p, bool is_causal,
@@ -202,14 +202,15 @@ bool ragged_backward(const at::Tensor& grad_out, const at::Tensor& query_in,
                      std::tuple<at::Tensor, at::Tensor, at::Tensor>& grads,
                      std::string& why_not) {
   check_call("openwam::_sdpa_varlen_backward", query_in, key_in, value_in, cu_q, cu_k);
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == query_in.sizes() &&
-                  logsumexp.scalar_type() == at::kFloat && logsumexp.is_contiguous() &&
-                  logsumexp.numel() == query_in.size(0) * query_in.size(1),
+  TORCH_CHECK(out_in.is_contiguous() && out_in.sizes() == query_in.sizes() &&
+                  logsumexp_in.scalar_type() == at::kFloat && logsumexp_in.is_contiguous() &&
+                  logsumexp_in.numel() == query_in.size(0) * query_in.size(1),
               "openwam::_sdpa_varlen_backward: the ragged engine's backward takes its forward's "
               "contiguous output and float32 [total_q, heads, 1] logsumexp");
   const c10::cuda::CUDAGuard device(query_in.device());  // as in ragged_forward
   const at::Tensor query = backward_operand(query_in), key = backward_operand(key_in),
-                   value = backward_operand(value_in);
+                   value = backward_operand(value_in), out = backward_operand(out_in),
+                   logsumexp = backward_operand(logsumexp_in);
   const RaggedDims d = dims_of(query, key, cu_q, max_q, max_k);
   // cuDNN reads grad_out's rows through the output's offsets.
   const at::Tensor go = backward_operand(grad_out);

@@ -336,7 +336,9 @@ def _sparse_selection_as_mask(module, query, key, attention_mask, kwargs):
     "eager" or "sdpa"; any other gets it as `indices=` for kernels that read
     it, and had attended densely (logits off by 0.1; found in review).
     MiniMax-M3's block selection (`block_indices=`) is built by its indexer
-    with inputs the backend does not get: refused rather than dropped."""
+    with inputs the backend does not get: refused rather than dropped. A
+    packed row of such a model attends as "sdpa" does (across its sequences
+    with a cache)."""
     import torch
 
     if kwargs.get("block_indices") is not None:
@@ -380,7 +382,12 @@ def register() -> bool:
     _sdpa_attention_forward = sdpa_attention_forward
 
     def openwam_attention_forward(module, query, key, value, attention_mask, **kwargs):
-        attention_mask = _sparse_selection_as_mask(module, query, key, attention_mask, kwargs)
+        if kwargs.get("indices") is not None or kwargs.get("block_indices") is not None:
+            # A sparse model's selection: "sdpa"'s mask and path as they are
+            # (the packed routes read a padding token from the mask's
+            # diagonal, which the selection may clear for a real query).
+            attention_mask = _sparse_selection_as_mask(module, query, key, attention_mask, kwargs)
+            return sdpa_path(module, query, key, value, attention_mask, **kwargs)
         packed = packed_attention(module, query, key, value, attention_mask, **kwargs)
         if packed is not None:
             return packed
