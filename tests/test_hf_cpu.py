@@ -99,3 +99,29 @@ def test_block_sparse_selection_is_refused_not_dropped():
         _sparse_selection_as_mask(torch.nn.Module(), q, q, None,
                                   {"block_indices": torch.zeros(1, 3, 1, dtype=torch.long)})
     assert _sparse_selection_as_mask(torch.nn.Module(), q, q, None, {"block_indices": None}) is None
+
+
+def test_a_sparse_selection_takes_the_sdpa_path_whole(monkeypatch):
+    """With a selection the packed routes are not consulted: they read a
+    padding token from the mask's diagonal, which the top-k selection may
+    clear for a real query (its sequence merged with the one before, or its
+    row crossed sequences; found in review)."""
+    from transformers import AttentionInterface
+
+    from openwam_sdpa import transformers_integration as ti
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the packed routes were consulted")
+
+    monkeypatch.setattr(ti, "packed_attention", refuse)
+    forward = AttentionInterface()["openwam_sdpa"]
+    q = torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(4))
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 1
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()[None, None]
+    indices = torch.arange(8).clamp(max=3)[None, :, None].expand(1, 8, 2).contiguous()
+    out, _ = forward(module, q, q, q, mask.clone(), indices=indices, position_ids=torch.tensor(
+        [[0, 1, 2, 3, 0, 1, 2, 3]]))
+    keep = torch.zeros(1, 8, 8, dtype=torch.bool).scatter(-1, indices, True)[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask & keep)
+    torch.testing.assert_close(out.transpose(1, 2), ref)
