@@ -207,8 +207,7 @@ def reload_settings() -> dict:
 def frontend_stats(reset: bool = False) -> dict:
     """Counters of the op's cuDNN graphs: graphs built (forward, backward),
     configurations that could not be built (each such call runs on ATen's
-    cuDNN attention with padded inputs, and the list says which, the first
-    64), graphs
+    cuDNN attention with padded inputs; the list names the first 64), graphs
     evicted from the cache, calls that took that fallback, backward calls
     that ran with cuDNN's padding mask (the fix), and those of them that
     wrote the mask's lengths for the call alone (a new configuration inside a
