@@ -2,12 +2,14 @@
 
 #include <ATen/Context.h>
 #include <ATen/ops/_scaled_dot_product_attention_math.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/where.h>
 
 #include <limits>
 #include <mutex>
+#include <utility>
 
 namespace openwam {
 namespace {
@@ -55,6 +57,27 @@ std::optional<at::Tensor> math_mask(const SdpaCall& c) {
                    at::scalar_tensor(0.0, mask.options().dtype(c.query.scalar_type())));
 }
 
+// The math route's mask and is_causal. PyTorch's fused CPU kernel takes a mask
+// with is_causal and applies both (top-left); its math backend refuses the
+// pair. The route's CPU calls (empty inputs, decision.cpp) that the fused
+// kernel would serve get is_causal folded into the mask, so that they run
+// where F.sdpa runs them (an empty batch with a mask and is_causal had
+// raised; found in review). At head_dim 0, which F.sdpa itself sends to the
+// math backend (torch 2.13), and on CUDA, where every kernel refuses the
+// pair, the math backend's error stands.
+std::pair<std::optional<at::Tensor>, bool> math_mask_and_causal(const SdpaCall& c) {
+  std::optional<at::Tensor> mask = math_mask(c);
+  if (!(c.is_causal && mask.has_value() && c.query.device().is_cpu() &&
+        c.query.sym_size(-1) != 0)) {
+    return {mask, c.is_causal};
+  }
+  const at::Tensor future =
+      at::ones_symint({c.query.sym_size(-2), c.key.sym_size(-2)},
+                      c.query.options().dtype(at::kBool))
+          .triu(1);
+  return {mask->masked_fill(future, -std::numeric_limits<double>::infinity()), false};
+}
+
 at::Tensor call_pytorch(const SdpaCall& c) {
   return at::scaled_dot_product_attention(c.query, c.key, c.value, c.attn_mask,
                                           c.dropout_p, c.is_causal, c.scale,
@@ -65,10 +88,12 @@ at::Tensor call_pytorch(const SdpaCall& c) {
 
 at::Tensor run_pytorch_path(const SdpaCall& call, const Decision& decision) {
   switch (decision.route) {
-    case Route::kMath:
+    case Route::kMath: {
+      const auto [mask, is_causal] = math_mask_and_causal(call);
       return std::get<0>(at::_scaled_dot_product_attention_math(
-          call.query, call.key, call.value, math_mask(call), call.dropout_p,
-          call.is_causal, /*dropout_mask=*/std::nullopt, call.scale, call.enable_gqa));
+          call.query, call.key, call.value, mask, call.dropout_p, is_causal,
+          /*dropout_mask=*/std::nullopt, call.scale, call.enable_gqa));
+    }
     case Route::kPyTorchWithoutCudnn: {
       CudnnSwitchedOff no_cudnn;
       return call_pytorch(call);

@@ -10,6 +10,8 @@ must describe what the call does.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -334,6 +336,34 @@ def test_empty_head_dim_with_bool_mask_hides_keys(ow):
     assert_close(ow.sdpa(q, k, v, mask), want, 1e-6, what="output")
     additive = torch.zeros(4, 5).masked_fill(~mask, float("-inf"))
     assert_close(ow.sdpa(q, k, v, additive), want, 1e-6, what="output, additive mask")
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 3, 5), (1, 2, 0, 5), (1, 0, 3, 5)],
+                         ids=["empty_batch", "zero_length_query", "zero_heads"])
+def test_empty_call_with_mask_and_is_causal(ow, shape):
+    """PyTorch's fused CPU kernel takes a mask with is_causal (it applies
+    both); the math backend, which the op's empty CPU calls take, refuses the
+    pair. is_causal is folded into the mask there (the empty batch had
+    raised where F.sdpa returns an empty output; found in review)."""
+    b, h, lq, skv = shape
+    q, k, v = qkv(b, h, lq, skv, 4, requires_grad=True)
+    for mask in (torch.ones(lq, skv, dtype=torch.bool), torch.zeros(lq, skv)):
+        out = ow.sdpa(q, k, v, mask, is_causal=True)
+        assert out.shape == (b, h, lq, 4)
+        assert all(g.shape == t.shape for g, t in zip(grads(out, (q, k, v)), (q, k, v)))
+
+
+def test_head_dim_0_with_mask_and_is_causal_raises_as_f_sdpa(ow):
+    """At head_dim 0 F.sdpa takes its math backend itself, which refuses a
+    mask with is_causal: so does the op (the fold above is for what the
+    fused kernel serves)."""
+    q, k = torch.randn(1, 2, 4, 0), torch.randn(1, 2, 5, 0)
+    v = torch.randn(1, 2, 5, 8)
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    with pytest.raises(RuntimeError) as stock:
+        F_SDPA(q, k, v, mask, is_causal=True)
+    with pytest.raises(type(stock.value), match=re.escape(str(stock.value))):
+        ow.sdpa(q, k, v, mask, is_causal=True)
 
 
 @pytest.mark.parametrize("q_heads", [0, 2])
