@@ -18,18 +18,19 @@ constexpr long k9_26_0 = cudnn_version(9, 26, 0);
 // nothing says a later cuDNN fixed it (conservative where unmeasured).
 constexpr long kNoFixKnown = std::numeric_limits<long>::max();
 
-// The key-tail sweep on the H200 covered cuDNN 9.19.0 at head_dim 64 and 128.
-bool key_tail_measured_stack(long version, const c10::SymInt& head_dim) {
-  return version == k9_19_0 && (head_dim == 64 || head_dim == 128);
+// The key-tail sweep on the H200 covered cuDNN 9.19.0 at head_dim 64 and 128,
+// the value's head_dim the query's (d_v 64 under d_qk 128 was not swept).
+bool key_tail_measured_stack(long version, const CallShape& s) {
+  return version == k9_19_0 && (s.head_dim == 64 || s.head_dim == 128) &&
+         s.head_dim_v == s.head_dim;
 }
 
 bool key_tail_measured_hits(const CallShape& s, long version) {
-  return key_tail_measured_stack(version, s.head_dim) && !s.is_causal &&
-         s.s_kv % kCudnnKeyTile == 64;
+  return key_tail_measured_stack(version, s) && !s.is_causal && s.s_kv % kCudnnKeyTile == 64;
 }
 
 bool key_tail_conservative_hits(const CallShape& s, long version) {
-  return !key_tail_measured_stack(version, s.head_dim) && s.s_kv % kCudnnKeyTile != 0;
+  return !key_tail_measured_stack(version, s) && s.s_kv % kCudnnKeyTile != 0;
 }
 
 // The single-query-row sweep on the H200 covered cuDNN 9.19.0 in bf16, and
@@ -100,7 +101,7 @@ const std::vector<GuardRule>& table() {
        {k9_19_0, k9_19_0 + 1},
        &key_tail_measured_hits,
        Fix::kKeyTail,
-       "9.19.0, head_dim 64 and 128",
+       "9.19.0, head_dim 64 and 128 (value's alike)",
        "backward NaN in dQ rows with logsumexp < -88.7 when s_kv % 128 == 64",
        kKeyTailAction,
        "cudnn-frontend #160, PR #628; pytorch #196678; measured by this project on an "
@@ -236,6 +237,7 @@ bool key_tail_defect(long cudnn_version, int64_t s_kv, int64_t head_dim,
   CallShape shape;
   shape.s_kv = s_kv;
   shape.head_dim = head_dim;
+  shape.head_dim_v = head_dim;
   shape.is_causal = is_causal;
   for (const GuardRule& rule : table()) {
     if (rule.fix == Fix::kKeyTail && rule.covers(shape, cudnn_version)) {

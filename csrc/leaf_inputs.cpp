@@ -1,5 +1,7 @@
 #include "leaf_inputs.h"
 
+#include <vector>
+
 namespace openwam {
 namespace {
 
@@ -37,6 +39,26 @@ void check_leaf_inputs(const char* op, const LeafInputs& in, bool half_only) {
   check_like_query(op, "grad_out", in.grad_out, in.query, dtype);
   check_like_query(op, "out", in.out, in.query, dtype);
   check_like_query(op, "logsumexp", in.logsumexp, in.query, at::kFloat);
+  if (in.logsumexp.defined()) {
+    // The backward's: what its forward gave. A forward with
+    // compute_log_sumexp=False gives an empty logsumexp, which ATen's cuDNN
+    // backward would have read as the statistics (found in review).
+    const std::vector<int64_t> rows{q.size(0), q.size(1), q.size(2)};
+    const auto with_last = [&](int64_t last) {
+      std::vector<int64_t> sizes = rows;
+      sizes.push_back(last);
+      return sizes;
+    };
+    TORCH_INTERNAL_ASSERT(in.out.defined() && in.grad_out.defined());
+    TORCH_CHECK(in.out.sizes() == with_last(v.size(3)) &&
+                    in.grad_out.sizes() == with_last(v.size(3)),
+                op, ": out and grad_out must be [B, H, L, Ev] ", at::IntArrayRef(with_last(v.size(3))),
+                ", got ", in.out.sizes(), " and ", in.grad_out.sizes());
+    TORCH_CHECK(in.logsumexp.sizes() == with_last(1), op,
+                ": logsumexp must be its forward's float32 [B, H, L, 1] ",
+                at::IntArrayRef(with_last(1)), " (a forward with compute_log_sumexp=False gives "
+                "none), got ", in.logsumexp.sizes());
+  }
 }
 
 }  // namespace openwam

@@ -22,7 +22,10 @@ namespace {
 // gets PyTorch's "No available kernel" error. A thread that sets the cuDNN
 // switch in the window (entering or leaving sdpa_kernel) has that change
 // undone on exit. PyTorch's own sdpa_kernel contexts in two threads race the
-// same way: the switches are not per thread.
+// same way: the switches are not per thread. Recursive: a tensor subclass
+// whose __torch_dispatch__ calls the patched F.sdpa from inside the call
+// re-enters on the same thread (a plain mutex hung there; found in review);
+// the inner guard restores the outer's "off", the outer the user's setting.
 class CudnnSwitchedOff {
  public:
   CudnnSwitchedOff() : lock_(mutex()) {
@@ -35,11 +38,11 @@ class CudnnSwitchedOff {
   CudnnSwitchedOff& operator=(const CudnnSwitchedOff&) = delete;
 
  private:
-  static std::mutex& mutex() {
-    static std::mutex m;
+  static std::recursive_mutex& mutex() {
+    static std::recursive_mutex m;
     return m;
   }
-  std::lock_guard<std::mutex> lock_;
+  std::lock_guard<std::recursive_mutex> lock_;
   bool was_enabled_ = false;
 };
 

@@ -107,6 +107,24 @@ def test_double_backward_raises_as_pytorchs_fused_backwards():
         torch.autograd.grad(dq.square().sum(), k)
 
 
+def test_backward_op_checks_what_its_forward_gave():
+    """A direct call of the backward op with the logsumexp of a forward that
+    computed none (compute_log_sumexp=False gives an empty one), or with an
+    output of other sizes, raises naming them: ATen's cuDNN backward (the
+    GPU fallback) would have read the empty buffer as statistics."""
+    (q, k, v), _, _, _ = inputs()
+    out, lse, seed, offset = FWD(q, k, v, None, 0.0, False, None, True, 0)
+    with torch.no_grad():  # differentiated, the forward computes it whatever it is told
+        empty = FWD(q, k, v, None, 0.0, False, None, False, 0)[1]
+    assert empty.numel() == 0
+    go = torch.ones_like(out)
+    BWD(go, q, k, v, None, out, lse, seed, offset, 0.0, False, None, 0)  # as given
+    with pytest.raises(RuntimeError, match=r"logsumexp must be its forward's float32 \[B, H, L, 1\]"):
+        BWD(go, q, k, v, None, out, empty, seed, offset, 0.0, False, None, 0)
+    with pytest.raises(RuntimeError, match=r"out and grad_out must be \[B, H, L, Ev\]"):
+        BWD(go, q, k, v, None, out[:, :, :-1], lse, seed, offset, 0.0, False, None, 0)
+
+
 def test_forward_mode_ad_raises():
     """No tangent formula: forward AD raises NotImplementedError, as PyTorch's
     own cuDNN attention does, instead of leaving the output without one."""

@@ -219,6 +219,12 @@ TEST_CASE("rule key_tail_nan_dq_9.19: measured, 9.19.0 at head_dim 64/128", "[gu
   }
   // The predicate itself knows its stack.
   CHECK_FALSE(r.hits(shape(2, 4, 8, 320, 64), k9_25_1));
+  // A value head_dim unlike the query's was not swept (found in review): the
+  // conservative row takes it, every s_kv % 128 != 0.
+  CallShape narrow_v = shape(2, 4, 8, 288, 128);
+  narrow_v.head_dim_v = 64;
+  CHECK_FALSE(r.hits(narrow_v, k9_19_0));
+  CHECK(rule("key_tail_nan_dq").hits(narrow_v, k9_19_0));
 }
 
 TEST_CASE("rule key_tail_nan_dq: conservative, before 9.26.0", "[guards]") {
