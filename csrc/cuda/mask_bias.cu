@@ -99,10 +99,12 @@ bool mask_rows_aligned(const bool* mask, const MaskRows& rows, int64_t bytes) {
 void launch_mask_bias(const at::Tensor& bias, const bool* mask, const MaskRows& rows,
                       int64_t s_kv) {
   const int64_t row_vecs = bias.size(-1) * bias.element_size() / int64_t{sizeof(uint4)};
-  const int64_t n_rows = bias.numel() / bias.size(-1);
-  if (n_rows == 0 || row_vecs == 0) {
+  // A bias without keys has no rows to write (and numel / 0 would be SIGFPE:
+  // a direct call with s_kv_padded 0; found in review).
+  if (row_vecs == 0 || bias.numel() == 0) {
     return;
   }
+  const int64_t n_rows = bias.numel() / bias.size(-1);
   const c10::cuda::CUDAGuard guard(bias.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   auto* out = static_cast<uint4*>(bias.data_ptr());
