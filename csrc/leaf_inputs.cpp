@@ -52,8 +52,9 @@ void check_leaf_inputs(const char* op, const LeafInputs& in, bool half_only) {
     TORCH_INTERNAL_ASSERT(in.out.defined() && in.grad_out.defined());
     TORCH_CHECK(in.out.sizes() == with_last(v.size(3)) &&
                     in.grad_out.sizes() == with_last(v.size(3)),
-                op, ": out and grad_out must be [B, H, L, Ev] ", at::IntArrayRef(with_last(v.size(3))),
-                ", got ", in.out.sizes(), " and ", in.grad_out.sizes());
+                op, ": out and grad_out must be [B, H, L, Ev] ",
+                at::IntArrayRef(with_last(v.size(3))), ", got ", in.out.sizes(), " and ",
+                in.grad_out.sizes());
     TORCH_CHECK(in.logsumexp.sizes() == with_last(1), op,
                 ": logsumexp must be its forward's float32 [B, H, L, 1] ",
                 at::IntArrayRef(with_last(1)), " (a forward with compute_log_sumexp=False gives "
