@@ -91,12 +91,10 @@ const char* cudnn_rejects(const SdpaCall& call) {
   if (k.sym_size(0) != q.sym_size(0) || v.sym_size(0) != q.sym_size(0)) {
     return "inputs differ in batch size";
   }
-  if (q.dim() == 4) {
-    const c10::SymInt hq = q.sym_size(1), hk = k.sym_size(1);
-    if (v.sym_size(1) != hk) return "key and value differ in heads";
-    if (hq != hk && (!call.enable_gqa || hq % hk != 0)) {
-      return "query heads differ from key heads without grouped-query attention";
-    }
+  if (q.dim() == 4 && !heads_group(call)) {
+    return v.sym_size(1) != k.sym_size(1)
+               ? "key and value differ in heads"
+               : "query heads differ from key heads without grouped-query attention";
   }
   const c10::SymInt d = q.sym_size(-1), dv = v.sym_size(-1);
   if (k.sym_size(-1) != d) return "key's head_dim differs from query's";

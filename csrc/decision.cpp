@@ -4,6 +4,9 @@
 #include <ATen/ops/_fused_sdp_choice.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <ATen/SDPBackend.h>
+#ifdef OPENWAM_WITH_CUDA
+#include <ATen/native/transformers/cuda/sdp_utils.h>
+#endif
 
 #include "cudnn_attention.h"
 
@@ -56,6 +59,16 @@ Plan plan_for(const GuardVerdict& verdict, const CallShape& shape, PadMode pad) 
   TORCH_INTERNAL_ASSERT(false, "unknown PadMode");
 }
 
+// Whether PyTorch has a backend for the call with cuDNN switched off. Math
+// serves whatever passes PyTorch's checks; with math switched off
+// (sdpa_kernel([CUDNN_ATTENTION, FLASH_ATTENTION])) only flash's and
+// efficient attention's checks know: a mask or dropout can leave cuDNN the
+// one backend that takes the call, and switching it off would raise "No
+// available kernel" where F.sdpa runs (found in review).
+bool others_serve(const Stack& stack) {
+  return stack.math_sdp_enabled || stack.serves_without_cudnn();
+}
+
 // Inputs batched by torch.func.vmap (functorch's BatchedTensorImpl).
 bool batched(const SdpaCall& c) {
   const c10::DispatchKeySet keys({c10::DispatchKey::FuncTorchBatched,
@@ -101,6 +114,8 @@ Decision decide(const SdpaCall& call, const Settings& settings, const Stack& sta
                     "inputs batched by torch.func.vmap on CUDA: PyTorch's math backend "
                     "(stock's fused backwards are wrong under vmap)");
     }
+    // Not others_serve(): where no other backend takes a batched call,
+    // PyTorch's "No available kernel" beats stock cuDNN's wrong gradients.
     const bool cudnn_off = stack.cuda_device && stack.cudnn_unavailable == nullptr &&
                            stack.cudnn_sdp_enabled && stack.other_sdp_enabled;
     return cudnn_off ? routed(Route::kPyTorchWithoutCudnn,
@@ -114,11 +129,18 @@ Decision decide(const SdpaCall& call, const Settings& settings, const Stack& sta
     // PyTorch's to answer (its fused CUDA kernels refuse empty sequences).
     // Not grouped-query attention over zero key/value heads: the math
     // backend's head grouping divides by their count (SIGFPE on torch 2.13,
-    // whose fused CPU kernel answers such a call).
+    // whose fused CPU kernel answers such a call). Nor shapes the math
+    // backend refuses: torch 2.13's fused CPU kernel returns an empty output
+    // for an empty call with a mask of any shape or mismatched sizes (found
+    // in review). Where an input has zero heads the math backend's error
+    // stands rather than torch 2.11's SIGFPE.
     const bool gqa_without_kv_heads =
         call.enable_gqa && call.key.dim() >= 3 && call.key.sym_size(-3) == 0;
+    const auto headless = [](const at::Tensor& t) { return t.dim() == 4 && t.sym_size(1) == 0; };
+    const bool zero_heads = headless(call.query) || headless(call.key) || headless(call.value);
     const bool math_serves = call.query.device().is_cpu() && stack.math_sdp_enabled &&
-                             !gqa_without_kv_heads && passes_pytorch_validation(call);
+                             !gqa_without_kv_heads && passes_pytorch_validation(call) &&
+                             (zero_heads || math_takes_shapes(call));
     return math_serves
                ? routed(Route::kMath, "an empty CPU input: PyTorch's math backend")
                : routed(Route::kPyTorch, "an input is empty");
@@ -136,15 +158,16 @@ Decision decide(const SdpaCall& call, const Settings& settings, const Stack& sta
     Decision d = routed(Route::kPyTorch, why_not);
     // Inputs PyTorch would still send to stock cuDNN (and its defects) go
     // elsewhere when they will be differentiated and another backend is
-    // allowed; where cuDNN is the only one (sdpa_kernel), the call is the
-    // user's to have, as F.sdpa would run it. A call with dropout goes
-    // elsewhere whatever the grad mode: reentrant checkpointing's two
-    // forwards must run on one backend to draw one dropout pattern.
+    // allowed; where cuDNN is the only one that takes them (sdpa_kernel),
+    // the call is the user's to have, as F.sdpa would run it. A call with
+    // dropout goes elsewhere whatever the grad mode: reentrant
+    // checkpointing's two forwards must run on one backend to draw one
+    // dropout pattern.
     if (stack.cudnn_unavailable == nullptr && call.takes_training_forward() &&
         stack.other_sdp_enabled && passes_pytorch_validation(call)) {
       const int64_t choice = stack.pytorch_choice();
       d.pytorch_choice = backend_name(choice);
-      if (choice == kCudnnChoice) {
+      if (choice == kCudnnChoice && others_serve(stack)) {
         d.route = Route::kPyTorchWithoutCudnn;
         d.reason = "PyTorch picks cuDNN, but the guarded cuDNN path cannot take "
                    "these inputs; cuDNN is switched off for this call";
@@ -187,6 +210,50 @@ Decision decide(const SdpaCall& call, const Settings& settings, const Stack& sta
   return d;
 }
 
+int64_t pytorch_choice(const SdpaCall& call) {
+  // PyTorch's selector reads only the tensors' metadata. Called with the
+  // Python keys excluded, it runs on fake tensors too without being seen
+  // by torch.compile's tracers: the choice is made here, not recorded in a
+  // graph (ATen's own scaled_dot_product_attention calls the selector's
+  // stub directly for the same reason; the stub is not exported to
+  // extensions). With functorch's keys excluded too, it reads a
+  // torch.func wrapper's metadata as the stub does: the op itself has no
+  // batching rule and raises under vmap(grad(f)).
+  const c10::impl::ExcludeDispatchKeyGuard untraced(c10::DispatchKeySet(
+      {c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+       c10::DispatchKey::FuncTorchDynamicLayerFrontMode,
+       c10::DispatchKey::FuncTorchDynamicLayerBackMode, c10::DispatchKey::FuncTorchGradWrapper,
+       c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchVmapMode}));
+  return at::_fused_sdp_choice(call.query, call.key, call.value, call.attn_mask, call.dropout_p,
+                               call.is_causal, call.scale, call.enable_gqa);
+}
+
+bool pytorch_serves_without_cudnn(const SdpaCall& call) {
+#ifdef OPENWAM_WITH_CUDA
+  // The checks PyTorch's CUDA selector makes of flash and efficient
+  // attention, each with its switch, asked without touching the switches
+  // (the process-wide cuDNN switch flipped here would fail other threads'
+  // calls meanwhile). They read only metadata: a 3-D call gets the batch
+  // dim that torch 2.14's selector gives it.
+  const auto batched = [](const at::Tensor& t) { return t.dim() == 3 ? t.unsqueeze(0) : t; };
+  sdp::sdp_params params;
+  params.query = batched(call.query);
+  params.key = batched(call.key);
+  params.value = batched(call.value);
+  params.attn_mask = call.attn_mask;
+  params.dropout = call.dropout_p;
+  params.is_causal = call.is_causal;
+  params.enable_gqa = call.enable_gqa;
+  return sdp::can_use_flash_attention(params, /*debug=*/false) ||
+         sdp::can_use_mem_efficient_attention(params, /*debug=*/false);
+#else
+  // No cuDNN in a CPU build: the question never comes up (decide() asks it
+  // only of calls cuDNN could run).
+  (void)call;
+  return true;
+#endif
+}
+
 Decision decide(const SdpaCall& call, const Settings& settings) {
   Stack stack;
   stack.cudnn_version = runtime_cudnn_version();
@@ -197,25 +264,10 @@ Decision decide(const SdpaCall& call, const Settings& settings) {
   stack.math_sdp_enabled = ctx.userEnabledMathSDP();
   stack.other_sdp_enabled =
       ctx.userEnabledFlashSDP() || ctx.userEnabledMemEfficientSDP() || stack.math_sdp_enabled;
-  const auto choice = [&call]() -> int64_t {
-    // PyTorch's selector reads only the tensors' metadata. Called with the
-    // Python keys excluded, it runs on fake tensors too without being seen
-    // by torch.compile's tracers: the choice is made here, not recorded in a
-    // graph (ATen's own scaled_dot_product_attention calls the selector's
-    // stub directly for the same reason; the stub is not exported to
-    // extensions). With functorch's keys excluded too, it reads a
-    // torch.func wrapper's metadata as the stub does: the op itself has no
-    // batching rule and raises under vmap(grad(f)).
-    const c10::impl::ExcludeDispatchKeyGuard untraced(c10::DispatchKeySet(
-        {c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
-         c10::DispatchKey::FuncTorchDynamicLayerFrontMode,
-         c10::DispatchKey::FuncTorchDynamicLayerBackMode, c10::DispatchKey::FuncTorchGradWrapper,
-         c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchVmapMode}));
-    return at::_fused_sdp_choice(call.query, call.key, call.value, call.attn_mask,
-                                 call.dropout_p, call.is_causal, call.scale,
-                                 call.enable_gqa);
-  };
+  const auto choice = [&call] { return pytorch_choice(call); };
+  const auto serves = [&call] { return pytorch_serves_without_cudnn(call); };
   stack.pytorch_choice = choice;
+  stack.serves_without_cudnn = serves;
   return decide(call, settings, stack);
 }
 

@@ -48,6 +48,9 @@ struct Stack {
   // The backend PyTorch's own selector picks (an at::SDPBackend value). Asked
   // only where the decision needs it: it costs a pass through the selector.
   c10::function_ref<int64_t()> pytorch_choice;
+  // Whether the selector finds a backend once cuDNN is switched off. Asked
+  // only where math is switched off and another backend is on.
+  c10::function_ref<bool()> serves_without_cudnn;
 };
 
 // The stack of this process for this call: the runtime cuDNN, the device,
@@ -57,6 +60,10 @@ struct Stack {
 Decision decide(const SdpaCall& call, const Settings& settings);
 
 Decision decide(const SdpaCall& call, const Settings& settings, const Stack& stack);
+
+// The process's answers to Stack's two questions about PyTorch's selector.
+int64_t pytorch_choice(const SdpaCall& call);
+bool pytorch_serves_without_cudnn(const SdpaCall& call);
 
 // What the guard table gives a differentiated cuDNN call of this shape on
 // `cudnn_version`: its verdict (`avoid`: keep it off cuDNN) and the plan under

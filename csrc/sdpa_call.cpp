@@ -28,8 +28,8 @@ bool passes_pytorch_validation(const SdpaCall& c) {
 namespace {
 
 // Whether the mask broadcasts to the scores [..., L, S]: the masks stock
-// serves. Read only for a mask on another device, so that no size guard is
-// installed on the common call.
+// serves. Read only for a mask on another device and for empty calls, so
+// that no size guard is installed on the common call.
 bool broadcasts_to_scores(const at::Tensor& mask, const at::Tensor& q, const at::Tensor& k) {
   const int64_t n = mask.dim();
   if (n < 2 || n > q.dim()) return false;
@@ -58,6 +58,28 @@ void check_mask_device(const SdpaCall& c) {
 }
 
 }  // namespace
+
+bool heads_group(const SdpaCall& c) {
+  const c10::SymInt hq = c.query.sym_size(1), hk = c.key.sym_size(1);
+  if (c.value.sym_size(1) != hk) return false;
+  return hq == hk || (c.enable_gqa && hk != 0 && hq % hk == 0);
+}
+
+bool math_takes_shapes(const SdpaCall& c) {
+  const at::Tensor& q = c.query;
+  const at::Tensor& k = c.key;
+  const at::Tensor& v = c.value;
+  const int64_t n = q.dim();
+  if (k.dim() != n || v.dim() != n || k.sym_size(-1) != q.sym_size(-1)) return false;
+  // The batch dims (all but heads, sequence and head_dim) of one size: the
+  // math backend's matmuls would broadcast them, F.sdpa's output keeps q's.
+  for (int64_t d = 0; d < n - 2; ++d) {
+    if (n == 4 && d == 1) continue;
+    if (k.sym_size(d) != q.sym_size(d) || v.sym_size(d) != q.sym_size(d)) return false;
+  }
+  if (n == 4 && !heads_group(c)) return false;
+  return !c.attn_mask.has_value() || broadcasts_to_scores(*c.attn_mask, q, k);
+}
 
 void check_call(const SdpaCall& c) {
   check_mask_device(c);

@@ -35,6 +35,15 @@ struct SdpaCall {
 // call failing them must reach PyTorch untouched, to fail with its own error.
 bool passes_pytorch_validation(const SdpaCall& call);
 
+// 4-D inputs: key and value of one head count, which equals the query's or,
+// under enable_gqa, divides it.
+bool heads_group(const SdpaCall& call);
+
+// Whether the shapes are ones PyTorch's math backend takes: inputs of one
+// rank, batch dims and head_dim (query's and key's) alike, heads that group
+// (4-D), and a mask that broadcasts to the scores [..., L, S].
+bool math_takes_shapes(const SdpaCall& call);
+
 // The op's checks beyond F.sdpa's, for calls on which stock reads out of
 // bounds instead of raising (value shorter than key, a mask on another
 // device); calls PyTorch rejects first are left to it. Raises c10::Error

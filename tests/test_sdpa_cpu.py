@@ -313,6 +313,40 @@ def test_edge_cases_match_reference(ow, settings, shape, pad):
         assert "empty" in ow.explain(q, k, v)["reason"]
 
 
+EMPTY_BEYOND_MATH = {
+    # Shapes PyTorch's math backend refuses; its fused CPU kernel answers the
+    # empty call (torch 2.13: an empty output).
+    "mask_not_broadcasting": ((0, 2, 3, 8), (0, 2, 5, 8), (7, 9), False),
+    "mask_wrong_keys": ((1, 2, 0, 8), (1, 2, 5, 8), (2, 2), False),
+    "query_heads_over_kv": ((0, 4, 3, 8), (0, 2, 5, 8), None, False),
+    "gqa_not_dividing": ((0, 3, 3, 8), (0, 2, 5, 8), None, True),
+    "no_keys_more_heads": ((1, 4, 3, 8), (1, 2, 0, 8), None, False),
+    "head_dim_0_more_heads": ((1, 4, 3, 0), (1, 2, 5, 0), None, False),
+    "3d_mask_not_broadcasting": ((0, 3, 8), (0, 5, 8), (4, 4), False),
+    "batch_unlike_keys": ((2, 2, 3, 8), (0, 2, 5, 8), None, False),
+    "head_dim_unlike_keys": ((0, 2, 3, 8), (0, 2, 5, 4), None, False),
+}
+
+
+def _outcome(fn, *args, **kwargs):
+    try:
+        return tuple(fn(*args, **kwargs).shape)
+    except Exception as e:  # noqa: BLE001 - the outcome compared is the exception
+        return type(e).__name__, str(e)
+
+
+@pytest.mark.parametrize("q_shape,kv_shape,mask_shape,gqa", EMPTY_BEYOND_MATH.values(),
+                         ids=EMPTY_BEYOND_MATH.keys())
+def test_empty_calls_beyond_the_math_backend_are_stocks(ow, q_shape, kv_shape, mask_shape, gqa):
+    """Empty CPU calls run on the math backend only where it takes their
+    shapes; the rest get F.sdpa's own answer, output or error (the math
+    route raised where F.sdpa returned; found in review)."""
+    q, k, v = torch.randn(q_shape), torch.randn(kv_shape), torch.randn(kv_shape)
+    mask = None if mask_shape is None else torch.zeros(mask_shape)
+    stock = _outcome(F_SDPA, q, k, v, mask, enable_gqa=gqa)
+    assert _outcome(ow.sdpa, q, k, v, mask, enable_gqa=gqa) == stock
+
+
 def test_edge_case_empty_batch_with_mask(ow, settings):
     settings(pad="always")
     q, k, v = qkv(0, 2, 3, 5, 4, requires_grad=True)

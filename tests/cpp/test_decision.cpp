@@ -41,12 +41,18 @@ struct PosedStack {
   bool math_sdp_enabled = true;
   bool other_sdp_enabled = true;
   int64_t choice = backend(at::SDPBackend::cudnn_attention);
+  bool serves_without_cudnn = true;  // another enabled backend takes the call
   int calls = 0;
+  int serves_calls = 0;
 
   Decision decide(const Inputs& in, const Settings& settings) {
     const auto selector = [this]() -> int64_t {
       ++calls;
       return choice;
+    };
+    const auto serves = [this]() -> bool {
+      ++serves_calls;
+      return serves_without_cudnn;
     };
     openwam::Stack stack;
     stack.cudnn_version = cudnn_version;
@@ -56,6 +62,7 @@ struct PosedStack {
     stack.math_sdp_enabled = math_sdp_enabled;
     stack.other_sdp_enabled = other_sdp_enabled;
     stack.pytorch_choice = selector;
+    stack.serves_without_cudnn = serves;
     return openwam::decide(in.call(), settings, stack);
   }
 };
@@ -258,6 +265,29 @@ TEST_CASE("decide: empty CPU inputs go to PyTorch's math backend, whatever the s
     gqa.enable_gqa = true;
     CHECK(stack.decide(gqa, kFollow).route == Route::kPyTorch);
   }
+  // Shapes the math backend refuses, which PyTorch's fused CPU kernel answers
+  // for an empty call (torch 2.13): PyTorch's, unless the query has no heads.
+  {
+    Inputs bad_mask = bhsd(0, 2, 3, 5, 8);
+    bad_mask.attn_mask = at::zeros({7, 9});
+    Inputs more_heads = bhsd(0, 2, 3, 5, 8);
+    more_heads.query = at::randn({0, 4, 3, 8}, openwam_test::kBF16);
+    Inputs ungrouped = more_heads;
+    ungrouped.query = at::randn({0, 3, 3, 8}, openwam_test::kBF16);
+    ungrouped.enable_gqa = true;
+    for (const Inputs& in : {bad_mask, more_heads, ungrouped}) {
+      CAPTURE(in.query.sizes(), in.key.sizes());
+      PosedStack stack;
+      CHECK(stack.decide(in, kFollow).route == Route::kPyTorch);
+    }
+    more_heads.enable_gqa = true;  // 4 query heads over 2: math takes them
+    PosedStack stack;
+    CHECK(stack.decide(more_heads, kFollow).route == Route::kMath);
+    Inputs no_query_heads = more_heads;  // a SIGFPE in the fused kernel: math's error
+    no_query_heads.query = at::randn({1, 0, 3, 8}, openwam_test::kBF16);
+    no_query_heads.enable_gqa = false;
+    CHECK(stack.decide(no_query_heads, kFollow).route == Route::kMath);
+  }
   // Empty and invalid: PyTorch itself, to raise its own error.
   Inputs bad;
   bad.query = at::randn({0, 2, 3, 8}, openwam_test::kBF16);
@@ -279,6 +309,46 @@ TEST_CASE("decide: inputs the cuDNN path rejects, cuDNN the only backend allowed
   stack.other_sdp_enabled = false;
   const Decision d = stack.decide(in, kFollow);
   CHECK(d.route == Route::kPyTorch);
+}
+
+TEST_CASE("decide: inputs the cuDNN path rejects, math off, no other backend takes them",
+          "[decision]") {
+  // sdpa_kernel([CUDNN_ATTENTION, FLASH_ATTENTION]) with inputs flash
+  // refuses: switching cuDNN off would raise "No available kernel" where
+  // F.sdpa runs on cuDNN. The call is PyTorch's as it is.
+  const Inputs in = bhsd(2, 4, 8, 320, 12);
+  PosedStack stack;
+  stack.math_sdp_enabled = false;
+  stack.serves_without_cudnn = false;
+  CHECK(stack.decide(in, kFollow).route == Route::kPyTorch);
+  CHECK(stack.serves_calls == 1);
+  stack.serves_without_cudnn = true;  // flash takes them: cuDNN off
+  CHECK(stack.decide(in, kFollow).route == Route::kPyTorchWithoutCudnn);
+  // Math on serves whatever passes PyTorch's checks: not asked.
+  PosedStack with_math;
+  with_math.serves_without_cudnn = false;
+  CHECK(with_math.decide(in, kFollow).route == Route::kPyTorchWithoutCudnn);
+  CHECK(with_math.serves_calls == 0);
+  // Under vmap stock cuDNN's gradients are wrong: cuDNN goes off, and where
+  // nothing else takes the call PyTorch raises "No available kernel".
+  Inputs batched = key_tail_call();
+  batched.value = at::functorch::makeBatched(batched.value, 0, /*level=*/1);
+  batched.dropout_p = 0.1;
+  stack.serves_without_cudnn = false;
+  CHECK(stack.decide(batched, kFollow).route == Route::kPyTorchWithoutCudnn);
+}
+
+TEST_CASE("decide: a guard rule against a crash keeps cuDNN off even with no other backend",
+          "[decision]") {
+  // bhsq1_backward_plan_segfault: PyTorch's "No available kernel" error
+  // rather than a segfault, where cuDNN is the only backend left.
+  PosedStack stack;
+  stack.cudnn_version = k9_26_0;
+  stack.math_sdp_enabled = false;
+  stack.serves_without_cudnn = false;
+  const Decision d = stack.decide(bhsd(1, 1, 1, 300, 64), kFollow);
+  CHECK(d.route == Route::kPyTorchWithoutCudnn);
+  CHECK(rule_of(d) == "bhsq1_backward_plan_segfault");
 }
 
 TEST_CASE("decide: inputs the cuDNN path rejects", "[decision]") {

@@ -105,6 +105,47 @@ def test_dropout_statistics(p, backend, ow, settings):
     assert nonfinite(dq) + nonfinite(dk) + nonfinite(dv) == 0
 
 
+def _outcome(fn, *args, **kwargs):
+    """The output's shape and finiteness with its gradients', or the error."""
+    try:
+        out = fn(*args, **kwargs)
+        grads = torch.autograd.grad(out, args[:3], torch.ones_like(out))
+    except Exception as e:  # noqa: BLE001 - the outcome compared is the exception
+        return type(e).__name__, str(e).split("\n")[0]
+    return tuple(out.shape), nonfinite(out) + sum(nonfinite(g) for g in grads)
+
+
+def test_cudnn_the_one_backend_left_keeps_stocks_call(ow, settings):
+    """sdpa_kernel([CUDNN_ATTENTION, FLASH_ATTENTION]) with an additive mask
+    (flash refuses masks) and inputs the guarded path refuses but stock
+    cuDNN may take (dropout 0.1; one key): where PyTorch picks cuDNN, the op
+    hands the call over untouched, and its outcome is F.sdpa's. Switching
+    cuDNN off for it raised "No available kernel" where F.sdpa ran (found in
+    review). Where no backend takes a call (stock cuDNN refuses one key on
+    9.19.0), both raise PyTorch's error. At least one of the calls must pose
+    the case on this stack (dropout 0.1 did on torch 2.11.0, cuDNN 9.19.0)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    settings(cudnn="1", pad="auto")
+    posed = []
+    for s_kv, dropout_p in ((320, 0.1), (1, 0.0)):
+        q, k, v = cuda_qkv(B, H, 128, s_kv, 64, seed=5)
+        mask = torch.zeros(128, s_kv, device="cuda", dtype=BF16)
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+            stock = _outcome(torch.nn.functional.scaled_dot_product_attention, q, k, v, mask,
+                             dropout_p=dropout_p)
+            ours = _outcome(ow.sdpa, q, k, v, mask, dropout_p=dropout_p)
+            # explain() asks PyTorch's selector, which raises where F.sdpa does.
+            info = ow.explain(q, k, v, mask, dropout_p=dropout_p) \
+                if isinstance(stock[0], tuple) else None
+        assert ours == stock, (s_kv, dropout_p, info)
+        if info is not None and info["pytorch_choice"] == "cudnn_attention":
+            assert info["route"] == "pytorch", info  # cuDNN not switched off
+            assert stock[1] == 0, stock  # ran, finite (random data)
+            posed.append((s_kv, dropout_p))
+    assert posed, "stock cuDNN took none of the calls under this restriction"
+
+
 @pytest.mark.parametrize("p", [0.0625, 0.1])
 def test_dropout_on_adversarial_inputs_has_finite_gradients(p, ow, settings, suite_results):
     settings(cudnn="1", pad="auto")
