@@ -255,8 +255,8 @@ def test_coverage_of_other_versions(cudnn, status):
 
 def test_guard_rows_are_read_by_their_version_ranges():
     """A row applies in [first_version, end_version) and is measured in
-    [measured_first_version, measured_end_version); of the key-tail rows the
-    first that applies wins, as in the guard."""
+    [measured_first_version, measured_end_version); every row that applies
+    is listed, and the key-tail summary reads the first, as the guard does."""
     rows = [
         {"name": "key_tail_nan_dq_9.20", "first_version": 92000, "end_version": 92001,
          "measured_first_version": 92000, "measured_end_version": 92001},
@@ -267,7 +267,7 @@ def test_guard_rows_are_read_by_their_version_ranges():
         {"name": "a row without a range"},
     ]
     assert [(r["name"], r["measured"]) for r in doctor.rules_for(92000, rows)] == [
-        ("key_tail_nan_dq_9.20", True)]
+        ("key_tail_nan_dq_9.20", True), ("key_tail_nan_dq", False)]
     assert [(r["name"], r["measured"]) for r in doctor.rules_for(92400, rows)] == [
         ("key_tail_nan_dq", False), ("later_defect", True)]
     assert doctor.rules_for(92700, rows) == []
@@ -278,10 +278,14 @@ def test_guard_rows_are_read_by_their_version_ranges():
 
 def test_rows_of_one_defect_on_the_real_table():
     """On 9.19.0 the measured rows stand in front of the general rows of
-    their defect; elsewhere the general rows apply."""
+    their defect, which cover the calls the measurements did not reach (the
+    doctor names both); elsewhere the general rows apply."""
     rules = doctor.ops.guard_rules()
     assert [r["name"] for r in doctor.rules_for(91900, rules)] == [
-        "key_tail_nan_dq_9.19", "sq1_nan_dk_dv_9.19"]
+        "key_tail_nan_dq_9.19", "key_tail_nan_dq", "sq1_nan_dk_dv_9.19", "sq1_nan_dk_dv"]
+    summary = doctor.coverage(91900)["summary"]
+    assert summary.startswith("measured rule key_tail_nan_dq_9.19"), summary
+    assert summary.endswith("other rules: sq1_nan_dk_dv_9.19 (measured), sq1_nan_dk_dv"), summary
     assert [r["name"] for r in doctor.rules_for(92000, rules)] == [
         "key_tail_nan_dq", "sq1_nan_dk_dv", "ragged_unmeasured"]
     assert doctor.defect_of("key_tail_nan_dq_9.19") == doctor.defect_of("key_tail_nan_dq")

@@ -333,9 +333,9 @@ def run_explain(args):
 
 def guard_table(cudnn=None):
     """The guard rows for the cuDNN read (--cudnn, else the runtime one, else
-    the one this torch ships), each with `applies` (the first row of its
-    defect whose versions hold it), `measured`, `in_range` and `behind` (the
-    row of the same defect that comes first)."""
+    the one this torch ships), each with `applies` (its versions hold it),
+    `measured`, `in_range` and `behind` (a row of the same defect that comes
+    first and takes the calls it covers)."""
     runtime = ops.build_info()["cudnn_runtime"]
     shipped = doctor.shipped_cudnn(torch.__version__)
     if cudnn:
@@ -346,7 +346,9 @@ def guard_table(cudnn=None):
         version, source = shipped or 0, "shipped" if shipped else "none"
     cov = doctor.coverage(version)
     applying = {r["name"]: r for r in cov["rules"]}
-    first_of = {doctor.defect_of(r["name"]): r["name"] for r in cov["rules"]}
+    first_of = {}
+    for r in cov["rules"]:
+        first_of.setdefault(doctor.defect_of(r["name"]), r["name"])
     rows = []
     for r in ops.guard_rules():
         in_range = bool(version) and r["first_version"] <= version < r["end_version"]
@@ -372,8 +374,8 @@ def format_guards(t):
     for r in t["rules"]:
         if r["applies"]:
             mark = "applies, measured" if r["measured"] else "applies"
-        elif r["behind"]:
-            mark = f"in range; {r['behind']} above comes first where it covers"
+            if r["behind"]:
+                mark += f", where {r['behind']} above does not"
         else:
             mark = "does not apply"
         lines += [f"  {'*' if r['applies'] else '-'} {r['name']}  [{mark}]",
