@@ -309,7 +309,7 @@ def test_context_parallel_bypass_raises(ow, monkeypatch):
     on two H200s before this check: wrong values, no error."""
     import importlib
 
-    from openwam_sdpa.ops import _CONTEXT_PARALLEL_MODULES
+    from openwam_sdpa.distributed import _CONTEXT_PARALLEL_MODULES
 
     for name in _CONTEXT_PARALLEL_MODULES:  # its path moved between torch releases
         try:

@@ -21,6 +21,9 @@ PyTorch's own attention ops list the same three: a sequence-sharded q, k or v
 parallelism, whose sequence shards are no plain split, it raises instead:
 see _refuse_sequence_sharding.
 
+The refusals under context parallelism live here too (both of its forms:
+the F.sdpa wrapper of monkey-patch mode, DTensor's handlers otherwise).
+
 Importing torch.distributed.tensor takes seconds, and most users of the op
 never need it: importing this module registers the rules at once when
 DTensor is already loaded, and otherwise right after its first import.
@@ -29,6 +32,7 @@ DTensor is already loaded, and otherwise right after its first import.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -92,7 +96,41 @@ def _bias_placement(attn_bias, dim: int):
     return Replicate() if own < 0 or shape[own] == 1 else Shard(own)
 
 
-# PyTorch's attention ops that context parallelism runs as ring attention.
+# ---- Context parallelism, detected in its two forms ----
+# Under torch.distributed.tensor.experimental.context_parallel only PyTorch's
+# own SDPA ops become ring attention; the guarded cuDNN path has none.
+
+# What the user does about it, in both refusals.
+_RING_ATTENTION_ADVICE = (
+    "set OPENWAM_SDPA_CUDNN=0 (then openwam_sdpa.reload_settings()): the op hands the "
+    "calls to PyTorch's flash and efficient attention, which context_parallel runs as ring "
+    "attention and which lack the cuDNN defects.")
+
+# Monkey-patch mode replaces F.scaled_dot_product_attention by a wrapper it
+# keeps in this module's _replaced_functions (torch 2.11-2.14 put the module
+# at either path): plain tensors reach the op through it.
+_CONTEXT_PARALLEL_MODULES = (
+    "torch.distributed.tensor.experimental._context_parallel._attention",
+    "torch.distributed.tensor.experimental._attention",
+)
+CONTEXT_PARALLEL_MESSAGE = (
+    "openwam_sdpa: torch.distributed.tensor.experimental.context_parallel is active, and it "
+    "turns only F.scaled_dot_product_attention into ring attention: this call would attend "
+    "within this rank's chunk of the sequence only. Call openwam_sdpa.patch() before "
+    "entering context_parallel and " + _RING_ATTENTION_ADVICE)
+
+
+def is_context_parallel_wrapper(fn) -> bool:
+    """Whether `fn` is context_parallel's stand-in for F.sdpa (it is active)."""
+    for name in _CONTEXT_PARALLEL_MODULES:
+        replaced = getattr(sys.modules.get(name), "_replaced_functions", None)
+        if replaced and fn in replaced:
+            return True
+    return False
+
+
+# DTensor inputs: PyTorch's attention ops that context parallelism runs as
+# ring attention.
 _CONTEXT_PARALLEL_OPS = ("_scaled_dot_product_flash_attention",
                          "_scaled_dot_product_efficient_attention",
                          "_scaled_dot_product_cudnn_attention")
@@ -120,10 +158,7 @@ def context_parallel_refusal(op_name: str, name: str, placements) -> NotImplemen
         f"openwam::{op_name}: {name} is sharded on the sequence dim (placements "
         f"{tuple(placements)}) under context parallelism; the guarded cuDNN path has no "
         "ring attention: torch.distributed.tensor.experimental.context_parallel rewrites "
-        "only PyTorch's own SDPA ops into it. Under context_parallel set "
-        "OPENWAM_SDPA_CUDNN=0 (then openwam_sdpa.reload_settings()): the op hands the call "
-        "to PyTorch's flash/efficient attention, which context_parallel runs as ring "
-        "attention and which lack the cuDNN defect.")
+        "only PyTorch's own SDPA ops into it. Under context_parallel " + _RING_ATTENTION_ADVICE)
 
 
 def _refuse_sequence_sharding(op_name: str, **tensors) -> None:

@@ -67,8 +67,8 @@ def sdpa(
         # it would bypass the sequence sharding (its wrapper then stands in F;
         # unpatched, F holds PyTorch's own).
         current = F.scaled_dot_product_attention
-        if current is not _PYTORCH_SDPA and is_context_parallel_wrapper(current):
-            raise NotImplementedError(CONTEXT_PARALLEL_MESSAGE)
+        if current is not _PYTORCH_SDPA and distributed.is_context_parallel_wrapper(current):
+            raise NotImplementedError(distributed.CONTEXT_PARALLEL_MESSAGE)
         return _C.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if attn_mask is not None and type(attn_mask) is not _Tensor and _is_causal_bias(attn_mask):
         # torch.nn.attention.bias masks override F.sdpa through
@@ -106,31 +106,6 @@ sdpa.__signature__ = _arguments.SIGNATURE
 # the op, whose schema is F.sdpa's (its Python body, with **unknown, does not
 # script). patching.py does the same for the patched F.sdpa.
 torch.jit._builtins._register_builtin(sdpa, "openwam::sdpa")
-
-
-# torch.distributed.tensor.experimental.context_parallel (monkey-patch mode)
-# replaces F.scaled_dot_product_attention by a wrapper it keeps in this
-# module's _replaced_functions (torch 2.11-2.14 put the module at either path).
-_CONTEXT_PARALLEL_MODULES = (
-    "torch.distributed.tensor.experimental._context_parallel._attention",
-    "torch.distributed.tensor.experimental._attention",
-)
-CONTEXT_PARALLEL_MESSAGE = (
-    "openwam_sdpa: torch.distributed.tensor.experimental.context_parallel is active, and it "
-    "turns only F.scaled_dot_product_attention into ring attention: this call would attend "
-    "within this rank's chunk of the sequence only. Call openwam_sdpa.patch() before "
-    "entering context_parallel and set OPENWAM_SDPA_CUDNN=0 (then "
-    "openwam_sdpa.reload_settings()): the op then hands the calls to PyTorch's flash and "
-    "efficient attention, which context_parallel runs as ring attention.")
-
-
-def is_context_parallel_wrapper(fn) -> bool:
-    """Whether `fn` is context_parallel's stand-in for F.sdpa (it is active)."""
-    for name in _CONTEXT_PARALLEL_MODULES:
-        replaced = getattr(sys.modules.get(name), "_replaced_functions", None)
-        if replaced and fn in replaced:
-            return True
-    return False
 
 
 def _is_causal_bias(mask) -> bool:

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from . import _arguments
-from .ops import _PYTORCH_SDPA, CONTEXT_PARALLEL_MESSAGE, is_context_parallel_wrapper, sdpa
+from .distributed import CONTEXT_PARALLEL_MESSAGE, is_context_parallel_wrapper
+from .ops import _PYTORCH_SDPA, sdpa
 
 _REQUIRED = _arguments.REQUIRED
 
