@@ -13,26 +13,42 @@ from typing import Any, Callable, Optional
 
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Finds the module with the other finders, then wraps its loader so that
-    the callback runs right after the module's code (a one-shot hook)."""
+    the callback runs right after the module's code, once. The hook stays on
+    sys.meta_path until then: importlib.util.find_spec alone (an
+    is-it-installed check, as many libraries make for transformers) asks the
+    finders too, and a hook that left at the first question lost the import
+    that followed (the integration stayed unregistered; found in testing)."""
 
     def __init__(self, name: str, callback: Callable[[], Any]):
         self.name = name
         self.callback = callback
+        self._searching = False
+        self._done = False
 
     def find_spec(self, name: str, path: Any, target: Optional[Any] = None):
-        if name != self.name:
+        if name != self.name or self._searching or self._done:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        self._searching = True  # importlib.util.find_spec below asks this finder again
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._searching = False
         if spec is None or spec.loader is None:
             return spec
         exec_module = spec.loader.exec_module
-        callback = self.callback
+        if getattr(exec_module, "_after_import", None) is self:
+            return spec  # a loader shared between specs (zipimport) is wrapped once
 
         def exec_then_callback(module):
             exec_module(module)
-            callback()
+            # A shared loader runs other modules too: only this one counts.
+            if module.__name__ == self.name and not self._done:
+                self._done = True
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
+                self.callback()
 
+        exec_then_callback._after_import = self
         spec.loader.exec_module = exec_then_callback
         return spec
 
