@@ -17,7 +17,10 @@
 #   ctest   CMake build of the op library + Catch2 tests, then ctest
 #   cpu     python -m pytest -q tests --ignore=tests/gpu   (the CPU suite)
 #   gpu     python -m pytest -q tests/gpu, the two fuzzes and the ragged sweep
-#           excepted (each has a part of its own)
+#           excepted (each has a part of its own); past one device call's
+#           limit on a fresh H200 (it reached about 60% in 440 s), so run as
+#   gpu1    its files up to test_features_gpu.py (about 300 tests), and
+#   gpu2    the files after it, each with a build in one call
 #   fuzz    the two differential fuzzes at once, each split over FUZZ_PROCS
 #           pytest processes (default 4) that share the GPU:
 #           tests/gpu/test_fuzz_gpu.py (FUZZ_CASES in all, default 1,000) and
@@ -55,9 +58,9 @@
 #   part's time limit, default 540 s),
 #   TORCH_CUDA_ARCH_LIST (default 9.0a), MAX_JOBS (default: cores),
 #   FULL_BUILD=1 (always the pip build), JUNIT=1, DEVICE_BUDGET_S,
-#   GPU_CAP (the GPU suite's time limit, default 420 s; the suite takes
-#   about 300 s on an H200). The whole GPU evidence takes three calls:
-#   `build gpu`, `fuzz`, then `ragged`.
+#   GPU_CAP (the GPU suite's time limit, default 420 s). The whole GPU
+#   evidence takes four calls: `build gpu1`, `build gpu2`, `fuzz`, then
+#   `ragged`.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -101,6 +104,7 @@ section() { local f=$1; shift; printf '\n===== %s =====\n' "$*" >>"$f"; }
 # ------------------------------------------------------------ which parts
 parts=("$@")
 ((${#parts[@]})) || parts=(build tests doctor bench)
+gpu_half=0
 want_build=0 want_ctest=0 want_cpu=0 want_gpu=0 want_fuzz=0 want_ragged=0 want_doctor=0 want_bench=0 want_sweep=0 want_pytorch=0
 want_host=0
 for p in "${parts[@]}"; do
@@ -109,6 +113,8 @@ for p in "${parts[@]}"; do
     ctest|cpp) want_ctest=1 ;;
     cpu) want_cpu=1 ;;
     gpu) want_gpu=1 ;;
+    gpu1) want_gpu=1 gpu_half=1 ;;
+    gpu2) want_gpu=1 gpu_half=2 ;;
     fuzz) want_fuzz=1 ;;
     ragged) want_ragged=1 ;;
     tests) want_ctest=1 want_cpu=1 want_gpu=1 ;;
@@ -118,7 +124,7 @@ for p in "${parts[@]}"; do
     pytorch) want_pytorch=1 ;;
     host) want_host=1 ;;
     all) want_build=1 want_ctest=1 want_cpu=1 want_gpu=1 want_doctor=1 want_bench=1 ;;
-    *) echo "device_run.sh: unknown part '$p' (build ctest cpu gpu fuzz ragged tests doctor sweep pytorch bench host all)"; exit 2 ;;
+    *) echo "device_run.sh: unknown part '$p' (build ctest cpu gpu gpu1 gpu2 fuzz ragged tests doctor sweep pytorch bench host all)"; exit 2 ;;
   esac
 done
 
@@ -250,8 +256,16 @@ if ((want_cpu)); then pytest_part cpu 180 tests --ignore=tests/gpu; st_cpu=$REPL
 if ((want_gpu)); then
   junit=()
   [[ "${JUNIT:-0}" == "1" ]] && junit=(--junitxml="$OUT/pytest_gpu.xml")
-  pytest_part gpu "${GPU_CAP:-420}" tests/gpu --ignore=tests/gpu/test_fuzz_gpu.py \
-    --ignore=tests/gpu/test_varlen_fuzz_gpu.py \
+  # The suite's files but the fuzzes; gpu1/gpu2 take them up to and after
+  # test_features_gpu.py (collection order is the files' order).
+  gpu_files=()
+  for f in tests/gpu/test_*.py; do
+    [[ $f == *fuzz* ]] && continue
+    if ((gpu_half == 1)) && [[ $f > tests/gpu/test_features_gpu.py ]]; then continue; fi
+    if ((gpu_half == 2)) && [[ ! $f > tests/gpu/test_features_gpu.py ]]; then continue; fi
+    gpu_files+=("$f")
+  done
+  pytest_part "gpu${gpu_half/#0/}" "${GPU_CAP:-420}" "${gpu_files[@]}" \
     --deselect=tests/gpu/test_varlen_gpu.py::test_cudnn_ragged_sweep "${junit[@]}"; st_gpu=$REPLY
 fi
 
