@@ -48,8 +48,8 @@ struct Stack {
   // The backend PyTorch's own selector picks (an at::SDPBackend value). Asked
   // only where the decision needs it: it costs a pass through the selector.
   c10::function_ref<int64_t()> pytorch_choice;
-  // Whether the selector finds a backend once cuDNN is switched off. Asked
-  // only where math is switched off and another backend is on.
+  // Whether flash or efficient attention takes the call, by PyTorch's own
+  // checks (their switches included). Asked only where math is switched off.
   c10::function_ref<bool()> serves_without_cudnn;
 };
 
@@ -61,7 +61,7 @@ Decision decide(const SdpaCall& call, const Settings& settings);
 
 Decision decide(const SdpaCall& call, const Settings& settings, const Stack& stack);
 
-// The process's answers to Stack's two questions about PyTorch's selector.
+// The process's answers to Stack's two questions about PyTorch's backends.
 int64_t pytorch_choice(const SdpaCall& call);
 bool pytorch_serves_without_cudnn(const SdpaCall& call);
 
