@@ -43,29 +43,20 @@ GraphCache& graph_cache() {
   return *cache;
 }
 
-// Marks a forward's `key` as unbuildable: its backward failed.
-void record_failure(const SdpaGraphKey& key, const std::string& why_not) {
-  GraphCache& c = graph_cache();
-  std::lock_guard<std::mutex> lock(c.mutex);
-  c.cache.insert(key, Entry{nullptr, why_not});
-}
-
-// Marks a backward's `key` as unbuildable: its forward `fwd` failed, and
-// runs elsewhere. A ragged or dropout-free backward key that holds a built
-// graph keeps it: the ragged backward key is shared by several forward
-// layouts (it takes contiguous copies of strided views, backward_key in
-// ragged_engine.cpp), and a pending backward of the forward that built it
-// must still find it (a ragged backward with dropout cannot fall back to
-// FlashAttention-2; found in review). Without dropout the failed forward's
-// gradients are a function of its saved tensors, whichever engine made them;
-// a ragged forward with dropout that cannot build raises
-// (varlen_kernels.cpp). A dense backward with dropout must replay the
+// Marks `key` as unbuildable: its partner graph failed. With `keep_built` a
+// key that holds a built graph keeps it. That is for a backward key whose
+// forward failed: a ragged or dropout-free backward key may be shared by
+// several forwards (the ragged backward takes contiguous copies of strided
+// views, backward_key in ragged_engine.cpp), and a pending backward of the
+// forward that built it must still find it (a ragged backward with dropout
+// cannot fall back to FlashAttention-2; found in review). Without dropout
+// the failed forward's gradients are a function of its saved tensors,
+// whichever engine made them; a ragged forward with dropout that cannot build
+// raises (varlen_kernels.cpp). A dense backward with dropout must replay the
 // pattern its forward's engine drew, and is marked whatever it holds.
-void record_backward_failure(const SdpaGraphKey& fwd, const SdpaGraphKey& key,
-                             const std::string& why_not) {
+void record_failure(const SdpaGraphKey& key, const std::string& why_not, bool keep_built) {
   GraphCache& c = graph_cache();
   std::lock_guard<std::mutex> lock(c.mutex);
-  const bool keep_built = fwd.ragged || fwd.dropout_p == 0.0;
   c.cache.insert_unless(key, Entry{nullptr, why_not}, [keep_built](const Entry& held) {
     return keep_built && held.graph != nullptr;
   });
@@ -130,14 +121,16 @@ std::shared_ptr<const BuiltGraph> forward_graph(const SdpaGraphKey& fwd, const S
   std::shared_ptr<const BuiltGraph> graph = graph_for(fwd, why_not);
   if (graph == nullptr) {
     // The backward of a forward that ran elsewhere runs elsewhere too, as
-    // record_backward_failure allows. Not from an inference forward: its
+    // record_failure's keep_built allows. Not from an inference forward: its
     // backward key is a training forward's, which may build. With dropout
     // always: the backward must replay the pattern the forward's engine drew.
-    if (prepare_backward || fwd.dropout_p > 0.0) record_backward_failure(fwd, bwd, why_not);
+    if (prepare_backward || fwd.dropout_p > 0.0) {
+      record_failure(bwd, why_not, /*keep_built=*/fwd.ragged || fwd.dropout_p == 0.0);
+    }
     return nullptr;
   }
   if (prepare_backward && graph_for(bwd, why_not) == nullptr) {
-    record_failure(fwd, why_not);
+    record_failure(fwd, why_not, /*keep_built=*/false);
     return nullptr;
   }
   return graph;
