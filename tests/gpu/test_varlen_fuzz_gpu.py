@@ -32,8 +32,9 @@ key-padded stock cuDNN's to every digit, 4.7x stock as called's (H200, cuDNN
 9.19.0; docs/varlen.md#measured-on-the-gpu). Where no stock backend is
 finite the op must be. Dropout cases (10%): finite, and the output unbiased
 (support.dropout_bias, over 16 draws).
-The worst ratio to the best of the three stock backends on each sequence is
-printed, not asserted: on one sequence the three round differently by up to
+The worst ratio to the best of the three stock backends on each sequence, and
+how many (sequence, tensor) pairs lie outside twice that best plus the floor
+(issue 44's literal rule), are printed, not asserted: on one sequence the three round differently by up to
 2-5x, and the engines themselves (FlashAttention-2 varlen included) exceed
 twice the best of them there.
 
@@ -156,7 +157,8 @@ def yardstick(errs: dict, called: float, varlen: float) -> float:
                             errs.get(SDPBackend.EFFICIENT_ATTENTION, math.inf))
 
 
-def check(i: int, c: dict, backends: dict, worst: dict, admitted: set) -> str | None:
+def check(i: int, c: dict, backends: dict, worst: dict, admitted: set,
+          outside_best: list) -> str | None:
     p = sweep.packed_adversarial(c["lens_q"], c["lens_k"], H=c["H"], Hkv=c["Hkv"], D=c["D"],
                                  low=c["low"], dtype=c["dtype"], seed=c["seed"])
     where = f"case {i} (OPENWAM_VARLEN_FUZZ_SEED={SEED}): {c}"
@@ -212,6 +214,8 @@ def check(i: int, c: dict, backends: dict, worst: dict, admitted: set) -> str | 
             best = min([e for e in errs.values() if math.isfinite(e)], default=math.inf)
             if floor < best < math.inf:
                 worst[n] = max(worst.get(n, 0.0), err / best)
+            if best < math.inf and twice_stock_problem(n, err, best, floor):
+                outside_best.append((i, b, n))
             problem = twice_stock_problem(f"{n} of sequence {b}", err, yard, floor)
             if problem:
                 return f"{where}: {problem}"
@@ -239,10 +243,10 @@ def check(i: int, c: dict, backends: dict, worst: dict, admitted: set) -> str | 
 
 def test_varlen_fuzz_against_stock(suite_results):
     rng = random.Random(SEED)
-    failures, backends, worst, admitted = [], {}, {}, set()
+    failures, backends, worst, admitted, outside_best = [], {}, {}, set(), []
     t0 = time.time()
     for i in range(CASES):
-        problem = check(i, draw(rng), backends, worst, admitted)
+        problem = check(i, draw(rng), backends, worst, admitted, outside_best)
         if problem:
             failures.append(problem)
             print(f"varlen fuzz: FAILED {problem}", flush=True)
@@ -251,9 +255,11 @@ def test_varlen_fuzz_against_stock(suite_results):
                   f"{len(failures)} failed, engines {backends}", flush=True)
     ratios = {n: round(x, 2) for n, x in worst.items()}
     print(f"varlen fuzz: seed {SEED}, {len(admitted)} admitted by key-padded stock cuDNN "
-          f"alone, worst error / best stock backend's: {ratios}", flush=True)
+          f"alone, worst error / best stock backend's: {ratios}; (sequence, tensor) pairs "
+          f"outside twice the best plus the floor: {len(outside_best)} "
+          f"{outside_best[:8]}", flush=True)
     suite_results.put("varlen fuzz", f"seed {SEED}", cases=CASES, failed=len(failures),
                       engines=backends, admitted_by_key_padded_cudnn=len(admitted),
-                      worst_over_best_stock=ratios)
+                      worst_over_best_stock=ratios, outside_twice_best_stock=len(outside_best))
     assert not failures, f"{len(failures)} of {CASES} failed:\n" + "\n".join(failures[:10])
 
