@@ -124,23 +124,22 @@ Decision decide(const SdpaCall& call, const Settings& settings, const Stack& sta
   }
   if (any_input_empty(call)) {
     // torch 2.11's fused CPU kernel dies of SIGFPE on zero heads (measured on
-    // the H200 machine; pytorch #174939): empty CPU calls go to
-    // the math backend where it is allowed. Everything else empty is
-    // PyTorch's to answer (its fused CUDA kernels refuse empty sequences).
-    // Not grouped-query attention over zero key/value heads: the math
-    // backend's head grouping divides by their count (SIGFPE on torch 2.13,
-    // whose fused CPU kernel answers such a call). Nor shapes the math
-    // backend refuses: torch 2.13's fused CPU kernel returns an empty output
-    // for an empty call with a mask of any shape or mismatched sizes (found
-    // in review). Where an input has zero heads the math backend's error
-    // stands rather than torch 2.11's SIGFPE.
+    // the H200 machine; pytorch #174939): empty CPU calls go to the math
+    // backend where it is allowed and takes their shapes. Those the math
+    // backend refuses are PyTorch's to answer: its fused CPU kernel takes only
+    // shapes the math backend takes too (equal batch and head_dims, heads that
+    // group, a mask that broadcasts), so F.sdpa runs them on the math backend
+    // on torch 2.11 and answers them on 2.13 and later (review: 233 of 270
+    // empty-call mismatches against F.sdpa came from sending them to the math
+    // backend anyway). Nor grouped-query attention over zero key heads: the
+    // math backend's head grouping divides by their count. Everything else
+    // empty is PyTorch's to answer (its fused CUDA kernels refuse empty
+    // sequences).
     const bool gqa_without_kv_heads =
         call.enable_gqa && call.key.dim() >= 3 && call.key.sym_size(-3) == 0;
-    const auto headless = [](const at::Tensor& t) { return t.dim() == 4 && t.sym_size(1) == 0; };
-    const bool zero_heads = headless(call.query) || headless(call.key) || headless(call.value);
     const bool math_serves = call.query.device().is_cpu() && stack.math_sdp_enabled &&
                              !gqa_without_kv_heads && passes_pytorch_validation(call) &&
-                             (zero_heads || math_takes_shapes(call));
+                             math_takes_shapes(call);
     return math_serves
                ? routed(Route::kMath, "an empty CPU input: PyTorch's math backend")
                : routed(Route::kPyTorch, "an input is empty");
@@ -210,20 +209,26 @@ Decision decide(const SdpaCall& call, const Settings& settings, const Stack& sta
   return d;
 }
 
-int64_t pytorch_choice(const SdpaCall& call) {
-  // PyTorch's selector reads only the tensors' metadata. Called with the
-  // Python keys excluded, it runs on fake tensors too without being seen
-  // by torch.compile's tracers: the choice is made here, not recorded in a
-  // graph (ATen's own scaled_dot_product_attention calls the selector's
-  // stub directly for the same reason; the stub is not exported to
-  // extensions). With functorch's keys excluded too, it reads a
-  // torch.func wrapper's metadata as the stub does: the op itself has no
-  // batching rule and raises under vmap(grad(f)).
-  const c10::impl::ExcludeDispatchKeyGuard untraced(c10::DispatchKeySet(
+// PyTorch's selector reads only the tensors' metadata. Called with the
+// Python keys excluded, it runs on fake tensors too without being seen by
+// torch.compile's tracers: the choice is made here, not recorded in a graph
+// (ATen's own scaled_dot_product_attention calls the selector's stub directly
+// for the same reason; the stub is not exported to extensions). With
+// functorch's keys excluded too, it reads a torch.func wrapper's metadata as
+// the stub does: the op itself has no batching rule and raises under
+// vmap(grad(f)).
+namespace {
+c10::DispatchKeySet untraced_keys() {
+  return c10::DispatchKeySet(
       {c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
        c10::DispatchKey::FuncTorchDynamicLayerFrontMode,
        c10::DispatchKey::FuncTorchDynamicLayerBackMode, c10::DispatchKey::FuncTorchGradWrapper,
-       c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchVmapMode}));
+       c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchVmapMode});
+}
+}  // namespace
+
+int64_t pytorch_choice(const SdpaCall& call) {
+  const c10::impl::ExcludeDispatchKeyGuard untraced(untraced_keys());
   return at::_fused_sdp_choice(call.query, call.key, call.value, call.attn_mask, call.dropout_p,
                                call.is_causal, call.scale, call.enable_gqa);
 }
@@ -234,7 +239,9 @@ bool pytorch_serves_without_cudnn(const SdpaCall& call) {
   // attention, each with its switch, asked without touching the switches
   // (the process-wide cuDNN switch flipped here would fail other threads'
   // calls meanwhile). They read only metadata: a 3-D call gets the batch
-  // dim that torch 2.14's selector gives it.
+  // dim that torch 2.14's selector gives it, unseen by tracers (as in
+  // pytorch_choice: the unsqueeze is no op of the call).
+  const c10::impl::ExcludeDispatchKeyGuard untraced(untraced_keys());
   const auto batched = [](const at::Tensor& t) { return t.dim() == 3 ? t.unsqueeze(0) : t; };
   sdp::sdp_params params;
   params.query = batched(call.query);

@@ -71,6 +71,8 @@ bool math_takes_shapes(const SdpaCall& c) {
   const at::Tensor& v = c.value;
   const int64_t n = q.dim();
   if (k.dim() != n || v.dim() != n || k.sym_size(-1) != q.sym_size(-1)) return false;
+  // Grouped-query attention reads the heads at dim -3 (an IndexError below 3-D).
+  if (c.enable_gqa && n < 3) return false;
   // The batch dims (all but heads, sequence and head_dim) of one size: the
   // math backend's matmuls would broadcast them, F.sdpa's output keeps q's.
   for (int64_t d = 0; d < n - 2; ++d) {

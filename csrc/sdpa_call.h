@@ -41,7 +41,8 @@ bool heads_group(const SdpaCall& call);
 
 // Whether the shapes are ones PyTorch's math backend takes: inputs of one
 // rank, batch dims and head_dim (query's and key's) alike, heads that group
-// (4-D), and a mask that broadcasts to the scores [..., L, S].
+// (4-D; enable_gqa needs 3-D or more), and a mask that broadcasts to the
+// scores [..., L, S].
 bool math_takes_shapes(const SdpaCall& call);
 
 // The op's checks beyond F.sdpa's, for calls on which stock reads out of

@@ -330,6 +330,11 @@ def test_context_parallel_bypass_raises(ow, monkeypatch):
     q, k, v = qkv(B, H, L, S, E)
     with pytest.raises(NotImplementedError, match="context_parallel is active"):
         ow.sdpa(q, k, v)
+    # Under a __torch_function__ mode the call takes the op's general path:
+    # checked there too (review: it attended within one rank's chunk).
+    with torch.device("cpu"), pytest.raises(NotImplementedError,
+                                            match="context_parallel is active"):
+        ow.sdpa(q, k, v)
     with pytest.raises(NotImplementedError, match="patch\\(\\) before entering context_parallel"):
         ow.patch()
     assert F.scaled_dot_product_attention is ring_stand_in  # patch() left it alone

@@ -325,6 +325,10 @@ EMPTY_BEYOND_MATH = {
     "3d_mask_not_broadcasting": ((0, 3, 8), (0, 5, 8), (4, 4), False),
     "batch_unlike_keys": ((2, 2, 3, 8), (0, 2, 5, 8), None, False),
     "head_dim_unlike_keys": ((0, 2, 3, 8), (0, 2, 5, 4), None, False),
+    # Zero heads do not make a shape the math backend's (found in review).
+    "zero_heads_mask_not_broadcasting": ((2, 0, 3, 4), (2, 0, 5, 4), (7, 7), False),
+    # Grouped-query attention reads dim -3.
+    "2d_gqa": ((0, 2), (0, 2), None, True),
 }
 
 
@@ -345,6 +349,16 @@ def test_empty_calls_beyond_the_math_backend_are_stocks(ow, q_shape, kv_shape, m
     mask = None if mask_shape is None else torch.zeros(mask_shape)
     stock = _outcome(F_SDPA, q, k, v, mask, enable_gqa=gqa)
     assert _outcome(ow.sdpa, q, k, v, mask, enable_gqa=gqa) == stock
+
+
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+def test_empty_value_heads_are_stocks(ow, gqa):
+    """Value with zero heads beside key heads: F.sdpa answers (zeros on torch
+    2.13-2.15); the math backend's head grouping would divide by zero (it
+    killed the process with SIGFPE under enable_gqa; found in review)."""
+    q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), torch.randn(1, 0, 3, 4)
+    assert _outcome(ow.sdpa, q, k, v, enable_gqa=gqa) == _outcome(F_SDPA, q, k, v,
+                                                                  enable_gqa=gqa)
 
 
 def test_edge_case_empty_batch_with_mask(ow, settings):

@@ -43,18 +43,6 @@ class LruCache {
     return items_.front().second;
   }
 
-  // Inserts `value` unless `key` holds a value for which keep(value) is true;
-  // returns whether it inserted. Found or inserted, the key is now the most
-  // recently used.
-  template <typename Keep>
-  bool insert_unless(const Key& key, Value value, Keep keep) {
-    if (Value* held = find(key); held != nullptr && keep(*held)) {
-      return false;
-    }
-    insert(key, std::move(value));
-    return true;
-  }
-
   std::size_t size() const { return items_.size(); }
   std::size_t capacity() const { return capacity_; }
   void clear() {

@@ -43,23 +43,12 @@ GraphCache& graph_cache() {
   return *cache;
 }
 
-// Marks `key` as unbuildable: its partner graph failed. With `keep_built` a
-// key that holds a built graph keeps it. That is for a backward key whose
-// forward failed: a ragged or dropout-free backward key may be shared by
-// several forwards (the ragged backward takes contiguous copies of strided
-// views, backward_key in ragged_engine.cpp), and a pending backward of the
-// forward that built it must still find it (a ragged backward with dropout
-// cannot fall back to FlashAttention-2; found in review). Without dropout
-// the failed forward's gradients are a function of its saved tensors,
-// whichever engine made them; a ragged forward with dropout that cannot build
-// raises (varlen_kernels.cpp). A dense backward with dropout must replay the
-// pattern its forward's engine drew, and is marked whatever it holds.
-void record_failure(const SdpaGraphKey& key, const std::string& why_not, bool keep_built) {
+// Marks `key` as unbuildable: its partner graph failed, and both passes must
+// run on one engine. It replaces whatever the key held.
+void record_failure(const SdpaGraphKey& key, const std::string& why_not) {
   GraphCache& c = graph_cache();
   std::lock_guard<std::mutex> lock(c.mutex);
-  c.cache.insert_unless(key, Entry{nullptr, why_not}, [keep_built](const Entry& held) {
-    return keep_built && held.graph != nullptr;
-  });
+  c.cache.insert(key, Entry{nullptr, why_not});
 }
 
 }  // namespace
@@ -120,17 +109,24 @@ std::shared_ptr<const BuiltGraph> forward_graph(const SdpaGraphKey& fwd, const S
                                                 bool prepare_backward, std::string& why_not) {
   std::shared_ptr<const BuiltGraph> graph = graph_for(fwd, why_not);
   if (graph == nullptr) {
-    // The backward of a forward that ran elsewhere runs elsewhere too, as
-    // record_failure's keep_built allows. Not from an inference forward: its
-    // backward key is a training forward's, which may build. With dropout
-    // always: the backward must replay the pattern the forward's engine drew.
-    if (prepare_backward || fwd.dropout_p > 0.0) {
-      record_failure(bwd, why_not, /*keep_built=*/fwd.ragged || fwd.dropout_p == 0.0);
+    // A dense backward with dropout must replay the pattern its forward's
+    // engine drew: after a forward that ran on ATen, its backward key is
+    // marked, whatever it held, so that the backward runs on ATen too. Also
+    // after an inference forward: reentrant checkpointing's recomputation
+    // must draw the first run's pattern. Nothing else is marked. Without
+    // dropout the gradients are a function of the saved tensors whichever
+    // engine made them; a ragged forward with dropout that cannot build
+    // raises (varlen_kernels.cpp). And a backward key may be shared by several
+    // forwards (the ragged backward takes contiguous copies of strided views):
+    // a marker would take a built graph from a pending backward, or fail a
+    // forward that builds (found in review).
+    if (!fwd.ragged && fwd.dropout_p > 0.0) {
+      record_failure(bwd, why_not);
     }
     return nullptr;
   }
   if (prepare_backward && graph_for(bwd, why_not) == nullptr) {
-    record_failure(fwd, why_not, /*keep_built=*/false);
+    record_failure(fwd, why_not);
     return nullptr;
   }
   return graph;

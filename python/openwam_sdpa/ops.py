@@ -63,12 +63,8 @@ def sdpa(
             and (attn_mask is None or type(attn_mask) is _Tensor) and not _compiling()
             and not query.is_nested and not _torch_function_mode_on()):
         # Plain tensors (the common case, checked first: this runs on every
-        # call): one pybind call into the dispatcher. Under context_parallel
-        # it would bypass the sequence sharding (its wrapper then stands in F;
-        # unpatched, F holds PyTorch's own).
-        current = F.scaled_dot_product_attention
-        if current is not _PYTORCH_SDPA and distributed.is_context_parallel_wrapper(current):
-            raise NotImplementedError(distributed.CONTEXT_PARALLEL_MESSAGE)
+        # call): one pybind call into the dispatcher.
+        _refuse_context_parallel_wrapper()
         return _C.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if attn_mask is not None and type(attn_mask) is not _Tensor and _is_causal_bias(attn_mask):
         # torch.nn.attention.bias masks override F.sdpa through
@@ -95,10 +91,22 @@ def sdpa(
                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     # Tracers (torch.compile, torch.export, make_fx), tensor subclasses such
     # as DTensor, and __torch_function__ modes: the op through torch.ops.
+    if type(query) is _Tensor and not _compiling():
+        _refuse_context_parallel_wrapper()  # under a mode: torch.device("cuda")
     if distributed.DTENSOR_MODULE in sys.modules:
         distributed.refuse_under_context_parallel(query, key, value, lambda: _C.explain(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)["backend"])
     return _SDPA_OP(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _refuse_context_parallel_wrapper() -> None:
+    """A plain-tensor call under context_parallel's monkey-patch mode would
+    bypass its sequence sharding: its wrapper then stands in F.sdpa
+    (unpatched, F holds PyTorch's own). DTensor calls, which the wrapper
+    makes, are distributed.refuse_under_context_parallel's."""
+    current = F.scaled_dot_product_attention
+    if current is not _PYTORCH_SDPA and distributed.is_context_parallel_wrapper(current):
+        raise NotImplementedError(distributed.CONTEXT_PARALLEL_MESSAGE)
 
 
 sdpa.__signature__ = _arguments.SIGNATURE

@@ -178,25 +178,3 @@ TEST_CASE("graph cache: keyed by the graph key, move-only values", "[frontend]")
   CHECK(cache.find(c) != nullptr);
 }
 
-TEST_CASE("graph cache: insert_unless keeps what the predicate keeps", "[frontend]") {
-  // graph_runner.cpp marks a shared backward key unbuildable only where no
-  // built graph is held (kept: positive values here).
-  Cache cache(3);
-  const auto keep_positive = [](int held) { return held > 0; };
-  CHECK(cache.insert_unless("a", -1, keep_positive));  // absent: inserted
-  CHECK(value_of(cache, "a") == -1);
-  CHECK(cache.insert_unless("a", -2, keep_positive));  // held, not kept: replaced
-  CHECK(value_of(cache, "a") == -2);
-  cache.insert("b", 5);
-  CHECK_FALSE(cache.insert_unless("b", -1, keep_positive));  // kept
-  CHECK(value_of(cache, "b") == 5);
-  CHECK(cache.size() == 2);
-  // A found key is touched, kept or not: "c", untouched since, goes first.
-  cache.insert("c", 3);
-  CHECK_FALSE(cache.insert_unless("a", -3, [](int) { return true; }));
-  CHECK_FALSE(cache.insert_unless("b", -1, keep_positive));
-  cache.insert("d", 4);
-  CHECK(cache.find("c") == nullptr);
-  CHECK(value_of(cache, "b") == 5);
-  CHECK(value_of(cache, "a") == -2);
-}
