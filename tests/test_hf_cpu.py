@@ -125,3 +125,43 @@ def test_a_sparse_selection_takes_the_sdpa_path_whole(monkeypatch):
     keep = torch.zeros(1, 8, 8, dtype=torch.bool).scatter(-1, indices, True)[:, None]
     ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask & keep)
     torch.testing.assert_close(out.transpose(1, 2), ref)
+
+
+def test_gemma4_kv_shared_layers_with_logits_to_keep():
+    """Gemma 4's KV-shared layers drop all but the last logits_to_keep queries
+    for every backend not named "sdpa" (transformers 5.25), without a mask:
+    those queries attended top-left (last logits off by 0.34; found in
+    review). They see every key up to their own position, as in the full
+    forward, also in a static cache longer than the sequence; a static cache's
+    prefill, also without a mask and with fewer queries than keys, keeps
+    top-left (generate's tokens are "sdpa"'s)."""
+    import transformers
+
+    if not hasattr(transformers, "Gemma4ForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma 4")
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig, StaticCache
+
+    config = Gemma4TextConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=32,
+        vocab_size_per_layer_input=100, hidden_size_per_layer_input=16, num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2)
+    torch.manual_seed(0)
+    model = Gemma4ForCausalLM(config).eval()
+    ids = torch.randint(3, 100, (1, 10), generator=torch.Generator().manual_seed(0))
+    tokens = {}
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        full = model(input_ids=ids, use_cache=False).logits[:, -4:]
+        for attn in ("sdpa", "openwam_sdpa"):
+            model.set_attn_implementation(attn)
+            kept = model(input_ids=ids, logits_to_keep=4, use_cache=True).logits
+            torch.testing.assert_close(kept, full, rtol=1e-4, atol=1e-5, msg=attn)
+            # A static cache longer than the sequence: the keys past it are empty slots.
+            static = StaticCache(config=model.config, max_cache_len=16)
+            kept = model(input_ids=ids, logits_to_keep=4, cache=static).logits
+            torch.testing.assert_close(kept, full, rtol=1e-4, atol=1e-5, msg=f"{attn}, static")
+            tokens[attn] = model.generate(input_ids=ids, max_new_tokens=5, do_sample=False,
+                                          cache_implementation="static", pad_token_id=0,
+                                          eos_token_id=None)[0, -5:].tolist()
+    assert tokens["openwam_sdpa"] == tokens["sdpa"]

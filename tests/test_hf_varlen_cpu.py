@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip(
+transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed: the integration has nothing to plug into")
 
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening  # noqa: E402
@@ -518,3 +518,60 @@ def test_layers_alternating_between_two_masks_read_each_once(monkeypatch):
     with torch.no_grad():
         model(**{k: v for k, v in packed_batch(True).items() if k != "labels"})
     assert len(reads) == 2, len(reads)
+
+
+def test_multimodal_rotary_positions_are_no_packing():
+    """Ernie 4.5-VL hands its attention M-RoPE position_ids [3, B, T]:
+    flattened, they had read as three sequences of T rows of a T-row batch
+    (a RuntimeError on the CPU, offsets past the buffer on CUDA; found in
+    review). One position a token is what the packed route reads."""
+    if not hasattr(transformers, "Ernie4_5_VLMoeTextModel"):
+        pytest.skip(f"transformers {transformers.__version__} has no Ernie 4.5-VL")
+    from transformers import Ernie4_5_VLMoeTextConfig, Ernie4_5_VLMoeTextModel
+
+    config = Ernie4_5_VLMoeTextConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=[32, 32], moe_k=2,
+        moe_num_experts=4, moe_num_shared_experts=0, mlp_layer_types=["dense"] * LAYERS,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "mrope_section": [2, 2, 4]})
+    torch.manual_seed(0)
+    model = Ernie4_5_VLMoeTextModel(config).eval()
+    ids = torch.randint(3, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        ref = model(input_ids=ids, use_cache=False).last_hidden_state
+        model.set_attn_implementation("openwam_sdpa")
+        ours, calls = varlen_calls(lambda: model(input_ids=ids, use_cache=False).last_hidden_state)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    assert calls == 0
+
+
+def test_unpad_setting_leaves_unmarked_cross_attention_alone(monkeypatch):
+    """Moonshine's encoder_attn carries no cross-attention mark (no flag, no
+    is_decoder, a class shared with self-attention): under
+    OPENWAM_SDPA_UNPAD=1 a decoder as long as the encoder had its rows
+    gathered by the encoder's padding (off by 1.8; found in review). In an
+    encoder-decoder model, attention that is not causal keeps "sdpa"."""
+    if not hasattr(transformers, "MoonshineForConditionalGeneration"):
+        pytest.skip(f"transformers {transformers.__version__} has no Moonshine")
+    from transformers import MoonshineConfig, MoonshineForConditionalGeneration
+
+    config = MoonshineConfig(vocab_size=100, hidden_size=64, intermediate_size=128,
+                             encoder_num_hidden_layers=1, decoder_num_hidden_layers=LAYERS,
+                             encoder_num_attention_heads=4, decoder_num_attention_heads=4,
+                             pad_token_id=0, decoder_start_token_id=1)
+    torch.manual_seed(0)
+    decoder = MoonshineForConditionalGeneration(config).eval().model.decoder
+    g = torch.Generator().manual_seed(0)
+    encoded = torch.randn(2, 6, 64, generator=g)
+    args = dict(input_ids=torch.randint(3, 100, (2, 6), generator=g),
+                attention_mask=torch.ones(2, 6, dtype=torch.long), encoder_hidden_states=encoded,
+                encoder_attention_mask=torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0]]), use_cache=False)
+    with torch.no_grad():
+        decoder.set_attn_implementation("sdpa")
+        ref = decoder(**args).last_hidden_state
+        decoder.set_attn_implementation("openwam_sdpa")
+        monkeypatch.setenv("OPENWAM_SDPA_UNPAD", "1")
+        ours = decoder(**args).last_hidden_state
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)

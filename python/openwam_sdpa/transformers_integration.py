@@ -218,11 +218,18 @@ def _cross_attention(module) -> bool:
     and keys of one length do not tell it apart from self-attention, and
     read as one packing they had split the encoder's keys by the decoder's
     sequences (logits off by 4.8e-3), or under OPENWAM_SDPA_UNPAD=1
-    gathered the decoder's rows by the encoder's padding (off by 10)."""
-    return ("CrossAttention" in type(module).__name__
-            or bool(getattr(module, "is_cross_attention", False))
-            or (bool(getattr(module, "is_decoder", False))
-                and not getattr(module, "is_causal", True)))
+    gathered the decoder's rows by the encoder's padding (off by 10). Some
+    mark none of these, not even is_decoder (Moonshine's encoder_attn, off by
+    1.8; found in review): in an encoder-decoder model such an attention
+    that is not causal is taken for one, the encoder's own included, which
+    then keeps "sdpa"."""
+    if "CrossAttention" in type(module).__name__ or getattr(module, "is_cross_attention", False):
+        return True
+    not_causal = not getattr(module, "is_causal", True)
+    if hasattr(module, "is_decoder"):
+        return bool(module.is_decoder) and not_causal
+    config = getattr(module, "config", None)
+    return not_causal and bool(getattr(config, "is_encoder_decoder", False))
 
 
 def _is_causal(module, kwargs):
@@ -282,7 +289,11 @@ def packed_attention(module, query, key, value, attention_mask, **kwargs):
             return None
         cu = cu_q.to(device=query.device, dtype=torch.int32)
         source, cu_k = (cu_q, cu_k), (None if cu_k is None or cu_k is cu_q else cu_k)
-    elif batch == 1 and kwargs.get("position_ids") is not None:
+    elif batch == 1 and kwargs.get("position_ids") is not None \
+            and kwargs["position_ids"].numel() == q_len:
+        # One position a token: multimodal rotary positions ([3, B, T] in
+        # Qwen2-VL and Ernie 4.5-VL) had read as three sequences of T rows
+        # (found in review).
         found = _from_position_ids.get((kwargs["position_ids"],), module,
                                        _boundaries_from_position_ids)
         if found is None:
@@ -360,6 +371,31 @@ def _sparse_selection_as_mask(module, query, key, attention_mask, kwargs):
     return attention_mask.masked_fill(hidden, torch.finfo(query.dtype).min)
 
 
+def _last_queries_causal(module, query, key, attention_mask, kwargs):
+    """Gemma 4's KV-shared layers keep only the last logits_to_keep queries
+    for every backend but one named "sdpa" (transformers 5.25 tests the
+    name), and pass no mask where is_causal served the whole sequence: the
+    kept queries attended top-left (a tiny Gemma 4's last logits off by 0.34;
+    found in review). Each sees the keys up to its own position: its
+    position_ids, which index the cache's slots where no mask was needed (no
+    padding), also in a static cache longer than the sequence; else the
+    last positions (bottom-right). Only there: elsewhere a causal call
+    without a mask and with fewer queries than keys is a static cache's
+    prefill, its queries the first ones."""
+    import torch
+
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if (attention_mask is not None or not 1 < q_len < kv_len
+            or not getattr(module, "is_kv_shared_layer", False)
+            or not _is_causal(module, kwargs)):
+        return attention_mask
+    keys = torch.arange(kv_len, device=query.device)
+    positions = kwargs.get("position_ids")
+    if positions is None or positions.dim() != 2 or positions.shape[-1] < q_len:
+        positions = torch.arange(kv_len - q_len, kv_len, device=query.device)[None]
+    return (keys <= positions[:, -q_len:, None].to(query.device))[:, None]
+
+
 def sdpa_path(module, query, key, value, attention_mask, **kwargs):
     """transformers' "sdpa" attention, which calls
     F.scaled_dot_product_attention, with the op patched in for the call
@@ -391,6 +427,7 @@ def register() -> bool:
         packed = packed_attention(module, query, key, value, attention_mask, **kwargs)
         if packed is not None:
             return packed
+        attention_mask = _last_queries_causal(module, query, key, attention_mask, kwargs)
         return sdpa_path(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(NAME, openwam_attention_forward)
