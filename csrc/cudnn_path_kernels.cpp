@@ -322,6 +322,19 @@ Plan plan_of_call(const char* op, int64_t plan_bits, double dropout_p) {
   return plan;
 }
 
+// What the forward's plan and inputs must agree on, checked before it runs:
+// its backward would refuse them (a single query row) or assert (a bias with
+// is_causal, which decide() never sends: cudnn_rejects). Found by opcheck on
+// direct calls of the leaf op (review).
+void check_forward_plan(const char* op, const Plan& plan, const std::optional<at::Tensor>& bias,
+                        bool is_causal, const at::Tensor& query) {
+  TORCH_CHECK(!(bias.has_value() && is_causal), op,
+              ": takes an attn_bias or is_causal, not both (fold the causal part into the bias)");
+  TORCH_CHECK(!plan.pad_query_backward || query.sym_size(2) == 1, op,
+              ": the plan pad_query_backward is for a single query row, got ",
+              query.sym_size(2), " rows");
+}
+
 // The kernels of the two ops for an engine (registered below per dispatch key).
 template <const Engine& engine>
 Tensors4 forward_with_plan(const at::Tensor& query, const at::Tensor& key,
@@ -340,6 +353,7 @@ Tensors4 forward_with_plan(const at::Tensor& query, const at::Tensor& key,
                                      plan_bits);
   }
   const Plan plan = plan_of_call("openwam::_cudnn_sdpa", plan_bits, dropout_p);
+  check_forward_plan("openwam::_cudnn_sdpa", plan, attn_bias, is_causal, query);
   at::Tensor k = key, v = value;
   at::Tensor bias = bias_keys(attn_bias.value_or(at::Tensor()), key.size(2));
   bool causal = is_causal;
@@ -515,6 +529,7 @@ Tensors4 frontend_forward(const at::Tensor& query, const at::Tensor& key,
                           bool compute_log_sumexp, int64_t plan_bits) {
   check_leaf_inputs("openwam::_cudnn_sdpa", {query, key, value, attn_bias}, true);
   const Plan plan = plan_of_call("openwam::_cudnn_sdpa", plan_bits, dropout_p);
+  check_forward_plan("openwam::_cudnn_sdpa", plan, attn_bias, is_causal, query);
   if (!current_settings().frontend) {
     return forward_with_plan<kAtenEngine>(query, key, value, attn_bias, dropout_p, is_causal,
                                           scale, compute_log_sumexp, plan_bits);

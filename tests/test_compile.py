@@ -96,3 +96,29 @@ def test_aot_eager_matches_eager(block, mask):
                     reason="inductor's CPU codegen needs a C++ compiler")
 def test_inductor_matches_eager(block):
     check_against_eager(block, "inductor", MASKS["bool"])
+
+
+def test_fx_symbolic_trace_records_the_op():
+    """torch.fx's Proxy is no tensor: the op had handed it to F.sdpa, whose
+    __torch_function__ recorded PyTorch's builtin, and the traced module ran
+    stock attention (on CUDA without the fix; found in review). The node
+    calls openwam_sdpa.sdpa, also through the patched F.sdpa."""
+    import torch.nn.functional as F
+
+    import openwam_sdpa
+
+    class Direct(torch.nn.Module):
+        def forward(self, q, k, v):
+            return openwam_sdpa.sdpa(q, k, v, is_causal=True)
+
+    class Patched(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))
+    with openwam_sdpa.patch():
+        patched = torch.fx.symbolic_trace(Patched())
+    for gm in (torch.fx.symbolic_trace(Direct()), patched):
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        assert targets == [openwam_sdpa.sdpa], targets
+        torch.testing.assert_close(gm(q, k, v), openwam_sdpa.sdpa(q, k, v, is_causal=True))

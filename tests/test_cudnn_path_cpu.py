@@ -203,6 +203,18 @@ def test_a_bias_of_another_key_length_raises():
         run(q, k, v, _padded_bias(bias, 100), causal, KEY_TAIL, torch.ones(q.shape))
 
 
+def test_the_forward_refuses_what_its_backward_cannot_take():
+    """A bias with is_causal (decide() folds neither into the other: such a
+    call never takes this path) had passed the forward and died of an
+    internal assert in the backward; the one-row plan on several rows had
+    passed it too (opcheck on direct calls; found in review)."""
+    (q, k, v), _, bias, _ = inputs(mask="additive")
+    with pytest.raises(RuntimeError, match="takes an attn_bias or is_causal, not both"):
+        FWD(q, k, v, bias, 0.0, True, None, False, 0)
+    with pytest.raises(RuntimeError, match="pad_query_backward is for a single query row, got 6"):
+        FWD(q, k, v, None, 0.0, False, None, True, PADDING_MASK | PAD_QUERY_BACKWARD)
+
+
 def test_pad_keys_forward_keeps_outputs():
     """The dropout plan runs the forward on padded keys too: same outputs."""
     (q, k, v), mask, bias, causal = inputs(mask="bool")

@@ -17,6 +17,7 @@ _SDPA_OP = torch.ops.openwam.sdpa.default
 _Tensor = torch.Tensor
 _compiling = torch.compiler.is_compiling
 _handle_torch_function = torch.overrides.handle_torch_function
+_has_torch_function = torch.overrides.has_torch_function
 _torch_function_mode_on = torch._C._is_torch_function_mode_enabled
 
 
@@ -74,6 +75,13 @@ def sdpa(
             F.scaled_dot_product_attention, (query, key, value, attn_mask),
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    if not isinstance(query, _Tensor) and _has_torch_function((query, key, value, attn_mask)):
+        # torch.fx's Proxy (symbolic_trace, Hugging Face's fx tracing): a node
+        # that calls this function. F.sdpa's own would record PyTorch's,
+        # without the fix (found in review).
+        return _handle_torch_function(
+            sdpa, (query, key, value, attn_mask), query, key, value, attn_mask=attn_mask,
+            dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     if not isinstance(query, _Tensor) or any(
             isinstance(t, _Tensor) and t.is_nested for t in (query, key, value, attn_mask)):
         # Nested (jagged) tensors have kernels of their own behind PyTorch's
