@@ -129,6 +129,14 @@ def is_context_parallel_wrapper(fn) -> bool:
     return False
 
 
+def refuse_context_parallel_wrapper(fn) -> None:
+    """Raises where `fn`, the F.sdpa a call would have gone through, is
+    context_parallel's stand-in: the op or patch() in front of it would skip
+    its ring (both refusals of monkey-patch mode)."""
+    if is_context_parallel_wrapper(fn):
+        raise NotImplementedError(CONTEXT_PARALLEL_MESSAGE)
+
+
 # DTensor inputs: PyTorch's attention ops that context parallelism runs as
 # ring attention.
 _CONTEXT_PARALLEL_OPS = ("_scaled_dot_product_flash_attention",

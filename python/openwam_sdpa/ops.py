@@ -113,8 +113,8 @@ def _refuse_context_parallel_wrapper() -> None:
     (unpatched, F holds PyTorch's own). DTensor calls, which the wrapper
     makes, are distributed.refuse_under_context_parallel's."""
     current = F.scaled_dot_product_attention
-    if current is not _PYTORCH_SDPA and distributed.is_context_parallel_wrapper(current):
-        raise NotImplementedError(distributed.CONTEXT_PARALLEL_MESSAGE)
+    if current is not _PYTORCH_SDPA:  # unpatched and no context_parallel: nothing to look up
+        distributed.refuse_context_parallel_wrapper(current)
 
 
 sdpa.__signature__ = _arguments.SIGNATURE

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _arguments
-from .distributed import CONTEXT_PARALLEL_MESSAGE, is_context_parallel_wrapper
+from .distributed import refuse_context_parallel_wrapper
 from .ops import _PYTORCH_SDPA, sdpa
 
 _REQUIRED = _arguments.REQUIRED
@@ -65,13 +65,6 @@ def _set(fn) -> None:
         F.scaled_dot_product_attention = fn
 
 
-def _refuse_context_parallel(previous) -> None:
-    # context_parallel's wrapper must stay in front of the op (patch() before
-    # entering it), or its calls skip the ring.
-    if is_context_parallel_wrapper(previous):
-        raise NotImplementedError(CONTEXT_PARALLEL_MESSAGE)
-
-
 def _exchange(fn, refuse_context_parallel=False):
     """Make `fn` what F.sdpa is outside the backend's calls; returns what was.
     Under torch.compile the tracer records a plain swap (a lock would break
@@ -79,13 +72,13 @@ def _exchange(fn, refuse_context_parallel=False):
     if torch.compiler.is_compiling():
         previous = F.scaled_dot_product_attention
         if refuse_context_parallel:
-            _refuse_context_parallel(previous)
+            refuse_context_parallel_wrapper(previous)
         F.scaled_dot_product_attention = fn
         return previous
     with _lock:
         previous = _current()
         if refuse_context_parallel:
-            _refuse_context_parallel(previous)
+            refuse_context_parallel_wrapper(previous)
         _set(fn)
         return previous
 
@@ -135,7 +128,7 @@ class patched_while_inside:
         with _lock:
             if _inside == 0:
                 previous = F.scaled_dot_product_attention
-                _refuse_context_parallel(previous)
+                refuse_context_parallel_wrapper(previous)
                 _outside = previous
                 F.scaled_dot_product_attention = _patched_sdpa
             _inside += 1
