@@ -575,3 +575,32 @@ def test_unpad_setting_leaves_unmarked_cross_attention_alone(monkeypatch):
         monkeypatch.setenv("OPENWAM_SDPA_UNPAD", "1")
         ours = decoder(**args).last_hidden_state
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_one_mask_read_by_causal_and_bidirectional_layers(monkeypatch):
+    """The per-forward cache keyed a mask's reading on the mask alone: a
+    bidirectional layer after a causal one, handed the same causal
+    key-padding mask, reused the causal layer's reading (key padding, so
+    varlen without the causal triangle) and attended to later tokens (found
+    in review). Each causality reads the mask once."""
+    from types import SimpleNamespace
+
+    from openwam_sdpa import transformers_integration as ti
+
+    monkeypatch.setenv("OPENWAM_SDPA_UNPAD", "1")
+    g = torch.Generator().manual_seed(0)
+    B, H, S, E = 2, 2, 6, 8
+    q, k, v = (torch.randn(B, H, S, E, generator=g) for _ in range(3))
+    real = torch.tensor([[1] * S, [0, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    mask = (real[:, None, None, :] & torch.ones(S, S, dtype=torch.bool).tril())  # [B, 1, S, S]
+    mask = mask | ~real[:, None, :, None]  # padding queries see every key (transformers' rule)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    for layer, is_causal in ((0, True), (1, False)):
+        module = SimpleNamespace(layer_idx=layer, is_causal=is_causal, training=False)
+        args = (module, q, k, v, mask)
+        # None: "sdpa" applies as it is (transformers' own attention).
+        got, _ = (ti.packed_attention(*args, scaling=None, dropout=0.0)
+                  or ti.sdpa_path(*args, scaling=None, dropout=0.0))
+        real_rows = real[:, :, None, None]  # [B, S, 1, 1]: padding queries' rows are free
+        torch.testing.assert_close(got * real_rows, want.transpose(1, 2) * real_rows,
+                                   msg=f"layer {layer}, is_causal={is_causal}")

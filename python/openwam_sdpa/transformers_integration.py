@@ -64,13 +64,15 @@ class _PerForward:
     def __init__(self):
         self._local = threading.local()
 
-    def get(self, tensors, module, compute):
+    def get(self, tensors, module, compute, also=()):
         """compute(*tensors), or this forward's earlier result for the same
-        tensors (a tuple; None entries allowed)."""
+        tensors (a tuple; None entries allowed) and the same `also` (what
+        else compute reads, such as causality: one mask serves causal and
+        bidirectional layers alike, and reads differently in each)."""
         layer = getattr(module, "layer_idx", None)
         versions = tuple(None if t is None or t.is_inference() else t._version for t in tensors)
         entries = self._local.__dict__.setdefault("entries", {})
-        key = tuple(id(t) for t in tensors)
+        key = (tuple(id(t) for t in tensors), also)
         entry = entries.get(key)
         if (entry is not None and layer is not None and layer > entry[2]
                 and entry[1] == versions
@@ -303,7 +305,8 @@ def packed_attention(module, query, key, value, attention_mask, **kwargs):
     elif batch > 1 and attention_mask is not None and attention_mask.dim() == 4 \
             and varlen_computes and unpad_enabled():
         causal = _is_causal(module, kwargs)
-        rows = _from_mask.get((attention_mask,), module, lambda m: _rows_from_mask(m, causal))
+        rows = _from_mask.get((attention_mask,), module, lambda m: _rows_from_mask(m, causal),
+                              also=causal)
         if rows is None:
             return None
         indices, cu, max_len = rows
@@ -324,11 +327,13 @@ def packed_attention(module, query, key, value, attention_mask, **kwargs):
         # varlen path attends.
         mask = _apart.get((attention_mask,) + source, module,
                           lambda *_: _within_sequences(
-                              attention_mask, _same_sequence(cu, q_len, attention_mask), causal))
+                              attention_mask, _same_sequence(cu, q_len, attention_mask), causal),
+                          also=causal)
         return sdpa_path(module, query, key, value, mask, **kwargs)
     if attention_mask is not None:
         dense = _mask_check.get((attention_mask,) + source, module,
-                                lambda *_: _mask_beyond_packing(attention_mask, cu, causal, cu_k))
+                                lambda *_: _mask_beyond_packing(attention_mask, cu, causal, cu_k),
+                                also=causal)
         if dense is not None:
             return sdpa_path(module, query, key, value, dense, **kwargs)
     q, k, v, a = _varlen(module, query, key, value, cu, max_len, kwargs)
