@@ -174,8 +174,9 @@ def as_called(q, k, v, go, mask, causal) -> Attn | None:
 def check_case(i: int, c: dict, worst: dict, cudnn_admitted: list) -> str | None:
     """None when case `i` holds the rule; else what broke. worst keeps, per
     tensor, the largest err / best stock backend's and err / stock as called
-    (the README's measured ratios); cudnn_admitted collects the cases that only
-    the key-padded stock cuDNN clause admits."""
+    (the README's measured ratios), each with the case that gave it;
+    cudnn_admitted collects the cases that only the key-padded stock cuDNN
+    clause admits."""
     q, k, v, go, mask, causal = inputs(c)
     gqa = c["H"] != c["kv_heads"]
     where = f"case {i} (OPENWAM_FUZZ_SEED={SEED}): {c}"
@@ -214,10 +215,10 @@ def check_case(i: int, c: dict, worst: dict, cudnn_admitted: list) -> str | None
         flash_efficient = max((errs[b] for b in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION")
                                if b in errs), default=-math.inf)
         floor = floor_for(r, c["dtype"])
-        if yard > 0:
-            worst[f"{name} / best stock"] = max(worst.get(f"{name} / best stock", 0.0), err / yard)
-        if math.isfinite(user) and user > 0:
-            worst[f"{name} / as called"] = max(worst.get(f"{name} / as called", 0.0), err / user)
+        for against, e in (("best stock", yard), ("as called", user)):
+            key = f"{name} / {against}"
+            if 0 < e < math.inf and err / e > worst.get(key, (0.0,))[0]:
+                worst[key] = (err / e, i)
         clause = contract_clause(err, floor, best=yard, as_called=user,
                                  flash_efficient=flash_efficient,
                                  key_padded=lambda: key_padded_err(name, r))
@@ -255,10 +256,10 @@ def test_fuzz_against_stock(suite_results):
     suite_results.put("fuzz", f"seed {SEED}", cases=counts["cases"], dropout=counts["dropout"],
                       failed=len(failures), seconds=round(time.time() - t0, 1),
                       admitted_by_key_padded_cudnn=len(cudnn_admitted),
-                      **{f"worst {n}": round(r, 3) for n, r in sorted(worst.items())})
+                      **{f"worst {n}": [round(r, 3), case] for n, (r, case) in sorted(worst.items())})
     print(f"fuzz: seed {SEED}, {counts['cases']} cases, {len(failures)} failed, "
           f"{len(cudnn_admitted)} admitted by key-padded stock cuDNN alone, worst error ratios: "
-          + ", ".join(f"{n} {r:.2f}" for n, r in sorted(worst.items())))
+          + ", ".join(f"{n} {r:.2f} (case {case})" for n, (r, case) in sorted(worst.items())))
     assert not failures, f"{len(failures)} of {CASES} cases failed:\n" + "\n".join(failures[:10])
 
 
