@@ -13,7 +13,9 @@ block-diagonal mask "sdpa" would use:
   - with position_ids that restart at 0 (DataCollatorWithFlattening's
     default): the boundaries are read from them once per forward (one host
     sync). Unlike transformers' own backends, which look for packing only
-    without a cache, this holds whatever use_cache says.
+    without a cache, this holds whatever use_cache says, in a batch of one
+    row whose model passes position_ids on to its attention (GPT-BigCode's
+    and ModernBERT's do not).
 OPENWAM_SDPA_UNPAD=1 unpads a padded batch the same way (causal or
 bidirectional full-attention layers; sliding-window layers keep the padded
 path): the key padding is read from the mask once per forward (one host sync).
