@@ -7,6 +7,7 @@
 #ifdef OPENWAM_WITH_CUDA
 #include <ATen/native/transformers/cuda/sdp_utils.h>
 #endif
+#include <torch/version.h>
 
 #include "cudnn_attention.h"
 
@@ -123,8 +124,21 @@ Decision decide(const SdpaCall& call, const Settings& settings, const Stack& sta
                      : routed(Route::kPyTorch, "inputs batched by torch.func.vmap");
   }
   if (any_input_empty(call)) {
-    // torch 2.11's fused CPU kernel dies of SIGFPE on zero heads (measured on
-    // the H200 machine; pytorch #174939): empty CPU calls go to the math
+    // From torch 2.13, F.sdpa answers every empty call itself, rightly (a
+    // head_dim-0 row is the mean of the values its mask shows), and its
+    // answers differ between releases (a mask with is_causal: an empty
+    // output on 2.13's CPU build, "Explicit attn_mask should not be set" on
+    // 2.14 and 2.15): PyTorch's to answer (found in review: the math route
+    // returned where 2.14 raises, raised where 2.13 returns, and built an
+    // L x S causal mask for an empty batch).
+    constexpr bool pytorch_answers_empty_calls =
+        TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13);
+    if (pytorch_answers_empty_calls) {
+      return routed(Route::kPyTorch, "an input is empty");
+    }
+    // Before it, torch 2.11's fused CPU kernel dies of SIGFPE on zero heads
+    // (measured on the H200 machine; pytorch #174939) and 2.12's returns
+    // zeros at head_dim 0: empty CPU calls go to the math
     // backend where it is allowed and takes their shapes. Those the math
     // backend refuses are PyTorch's to answer: its fused CPU kernel takes only
     // shapes the math backend takes too (equal batch and head_dims, heads that

@@ -62,11 +62,11 @@ std::optional<at::Tensor> math_mask(const SdpaCall& c) {
 
 // The math route's mask and is_causal. PyTorch's fused CPU kernel takes a mask
 // with is_causal and applies both (top-left); its math backend refuses the
-// pair. The route's CPU calls (empty inputs, decision.cpp) that the fused
-// kernel would serve get is_causal folded into the mask, so that they run
-// where F.sdpa runs them (an empty batch with a mask and is_causal had
-// raised; found in review). At head_dim 0, which F.sdpa itself sends to the
-// math backend (torch 2.13), and on CUDA, where every kernel refuses the
+// pair. The route's CPU calls (empty inputs before torch 2.13, decision.cpp)
+// that the fused kernel would serve get is_causal folded into the mask, so
+// that they run where F.sdpa runs them (an empty batch with a mask and
+// is_causal had raised; found in review). At head_dim 0, which F.sdpa itself
+// sends to the math backend, and on CUDA, where every kernel refuses the
 // pair, the math backend's error stands.
 std::pair<std::optional<at::Tensor>, bool> math_mask_and_causal(const SdpaCall& c) {
   std::optional<at::Tensor> mask = math_mask(c);

@@ -1,7 +1,11 @@
 #include "sdpa_call.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/SymBool.h>
+
+#include <vector>
 
 namespace openwam {
 
@@ -41,16 +45,40 @@ bool broadcasts_to_scores(const at::Tensor& mask, const at::Tensor& q, const at:
   return true;
 }
 
+// Zeros of `like`'s dtype and the given sizes on `device`: contiguous, so that
+// every kernel stock has takes them as it would the tensor they stand in for.
+at::Tensor stand_in(const at::Tensor& like, c10::SymIntArrayRef sizes, c10::Device device) {
+  return at::zeros_symint(sizes, like.options().device(device));
+}
+
+// Raises PyTorch's own error for the call with `value` and `mask` standing in
+// for what the op checks itself (a value of the key's length, a mask on the
+// query's device), if PyTorch has one: its error comes first, type and words
+// (found in review: the op's checks had replaced F.sdpa's errors for head
+// counts, shapes and mask broadcasting, and an IndexError's type). On the
+// error path only: one forward of stock's, without gradients or dropout.
+void raise_pytorch_error_if_any(const SdpaCall& c, const at::Tensor& query,
+                                const at::Tensor& key, const at::Tensor& value,
+                                const std::optional<at::Tensor>& mask) {
+  at::NoGradGuard no_grad;
+  (void)at::scaled_dot_product_attention(query, key, value, mask, /*dropout_p=*/0.0,
+                                         c.is_causal, c.scale, c.enable_gqa);
+}
+
 // A mask on a device other than the query's: stock's fused kernels, on the
 // CPU and on CUDA, take a meta mask and return garbage without an error;
 // where stock raises (a CPU mask with CUDA inputs), it raises this device
 // check, naming its kernel. Masks stock rejects for their shape keep its error.
+// Meta and empty calls compute nothing: PyTorch answers them (it returns an
+// empty output, or raises its own device error).
 void check_mask_device(const SdpaCall& c) {
   if (!c.attn_mask.has_value()) return;
   const at::Tensor& mask = *c.attn_mask;
   const at::Tensor& q = c.query;
-  if (mask.device() == q.device()) return;
+  if (mask.device() == q.device() || q.is_meta()) return;
   if (!passes_pytorch_validation(c) || !broadcasts_to_scores(mask, q, c.key)) return;
+  if (q.sym_numel() == 0 || c.key.sym_numel() == 0 || c.value.sym_numel() == 0) return;
+  raise_pytorch_error_if_any(c, q, c.key, c.value, stand_in(mask, mask.sym_sizes(), q.device()));
   // Worded as PyTorch's own device check (c10's common_device_check_failure).
   TORCH_CHECK(false, "Expected all tensors to be on the same device, but got attn_mask is on ",
               mask.device(), ", different from other tensors on ", q.device(),
@@ -101,6 +129,18 @@ void check_call(const SdpaCall& c) {
   const auto v = s_v.maybe_as_int();
   if (k.has_value() && v.has_value() && *k == *v) return;  // concrete and equal
   if (!passes_pytorch_validation(c)) return;  // PyTorch's own error comes first
+  if (k.has_value() && v.has_value()) {
+    if (c.query.dim() != 4) {
+      // F.sdpa runs these on its math backend (its fused kernels take 4-D
+      // inputs only), whose matmuls check the lengths before they read:
+      // its error, as F.sdpa raises it.
+      raise_pytorch_error_if_any(c, c.query, c.key, c.value, c.attn_mask);
+    }
+    std::vector<c10::SymInt> sizes(c.value.sym_sizes().begin(), c.value.sym_sizes().end());
+    sizes[sizes.size() - 2] = s_kv;
+    raise_pytorch_error_if_any(c, c.query, c.key, stand_in(c.value, sizes, c.value.device()),
+                               c.attn_mask);
+  }
   // Symbolic under torch.compile: a runtime assert, not a guard.
   TORCH_SYM_CHECK(s_kv.sym_eq(s_v),
                   "openwam::sdpa: value must have the same sequence length as key (",

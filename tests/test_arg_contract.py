@@ -374,11 +374,55 @@ def test_key_value_length_mismatch_raises(ow, entry, case):
     with pytest.raises(RuntimeError) as info:
         ALL_ENTRIES[entry](ow)(*args, **kwargs)
     message = str(info.value)
-    assert message == (f"openwam::sdpa: value must have the same sequence length as key "
-                       f"({s_kv}), got {s_v}"), message  # one line: no C++ backtrace
+    if args[0].dim() == 4:
+        assert message == (f"openwam::sdpa: value must have the same sequence length as key "
+                           f"({s_kv}), got {s_v}"), message  # one line: no C++ backtrace
+    else:
+        # F.sdpa raises below 4-D (its math backend's matmuls): its error, type
+        # and words (the op's own had replaced it; found in review).
+        assert outcome(F_SDPA, *args, **kwargs) == (type(info.value), message)
     # PyTorch's math backend refuses the call too, with the same type.
     with sdpa_kernel(SDPBackend.MATH), pytest.raises(RuntimeError):
         F_SDPA(*args, **kwargs)
+
+
+# Invalid in another way as well: F.sdpa's error for that comes first, type and
+# words (the op's length check had replaced them, an IndexError included;
+# found in review). Meta masks on CPU inputs too, whose device the op checks.
+OTHER_ERROR_FIRST = {
+    "2d_gqa": (lambda: (q_(3, 4), k_(1, 4), v_(3, 4)), {"enable_gqa": True}),
+    "3d_mask_with_causal": (lambda: (q_(2, 3, 4), k_(2, 5, 4), v_(2, 1, 4),
+                                     torch.ones(3, 5, dtype=torch.bool)), {"is_causal": True}),
+    "heads_not_dividing": (lambda: (q_(1, 4, 3, 8), k_(1, 3, 5, 8), v_(1, 3, 4, 8)),
+                           {"enable_gqa": True}),
+    "mask_not_broadcasting": (lambda: (q_(1, 2, 3, 8), k_(1, 2, 5, 8), v_(1, 2, 4, 8),
+                                       torch.ones(3, 6, dtype=torch.bool)), {}),
+    "heads_unequal": (lambda: (q_(1, 4, 3, 8), k_(1, 2, 5, 8), v_(1, 2, 4, 8)), {}),
+    "head_dims_unequal": (lambda: (q_(1, 2, 3, 8), k_(1, 2, 5, 4), v_(1, 2, 4, 8)), {}),
+    "meta_mask_heads_unequal": (lambda: (q_(2, 3, 4, 8), k_(2, 2, 6, 8), v_(2, 2, 6, 8),
+                                         torch.ones(4, 6, dtype=torch.bool, device="meta")), {}),
+    "meta_mask_2d_gqa": (lambda: (q_(4, 8), k_(6, 8), v_(6, 8),
+                                  torch.ones(4, 6, dtype=torch.bool, device="meta")),
+                         {"enable_gqa": True}),
+    "meta_mask_empty_batch": (lambda: (q_(0, 3, 4, 8), k_(0, 3, 6, 8), v_(0, 3, 6, 8),
+                                       torch.ones(4, 6, dtype=torch.bool, device="meta")), {}),
+    "meta_inputs_cpu_mask": (lambda: (torch.randn(2, 3, 4, 8, device="meta"),
+                                      torch.randn(2, 3, 6, 8, device="meta"),
+                                      torch.randn(2, 3, 6, 8, device="meta"),
+                                      torch.ones(4, 6, dtype=torch.bool)), {}),
+}
+
+
+@pytest.mark.parametrize("case", OTHER_ERROR_FIRST)
+def test_f_sdpas_own_error_comes_first(ow, case):
+    make, kwargs = OTHER_ERROR_FIRST[case]
+    args = make()
+    stock = outcome(F_SDPA, *args, **kwargs)
+    ours = outcome(ow.sdpa, *args, **kwargs)
+    if stock[0] == "ok":
+        assert ours[0] == "ok" and ours[1].shape == stock[1].shape
+    else:
+        assert ours == stock
 
 
 def test_key_value_length_mismatch_is_what_f_sdpa_misreads():

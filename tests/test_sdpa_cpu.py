@@ -370,9 +370,10 @@ def test_edge_case_empty_batch_with_mask(ow, settings):
 
 
 def test_empty_head_dim_with_bool_mask_hides_keys(ow):
-    """Empty CPU calls run on PyTorch's math backend, which adds a mask to the
-    scores as it is: a bool mask has to become 0 / -inf first, as PyTorch's
-    entry makes it (before, True added 1 and nothing was hidden: 1.38 off).
+    """Before torch 2.13 empty CPU calls run on PyTorch's math backend, which
+    adds a mask to the scores as it is: a bool mask has to become 0 / -inf
+    first, as PyTorch's entry makes it (before, True added 1 and nothing was
+    hidden: 1.38 off); from torch 2.13 F.sdpa answers them, the same.
     With head_dim 0 every score is equal, so each row is the mean of the
     values its mask shows: F.sdpa's answer on torch 2.11 and 2.13 (torch
     2.12's F.sdpa returns zeros for head_dim 0, with or without a mask)."""
@@ -386,25 +387,42 @@ def test_empty_head_dim_with_bool_mask_hides_keys(ow):
     assert_close(ow.sdpa(q, k, v, additive), want, 1e-6, what="output, additive mask")
 
 
-@pytest.mark.parametrize("shape", [(0, 2, 3, 5), (1, 2, 0, 5), (1, 0, 3, 5)],
-                         ids=["empty_batch", "zero_length_query", "zero_heads"])
-def test_empty_call_with_mask_and_is_causal(ow, shape):
-    """PyTorch's fused CPU kernel takes a mask with is_causal (it applies
-    both); the math backend, which the op's empty CPU calls take, refuses the
-    pair. is_causal is folded into the mask there (the empty batch had
-    raised where F.sdpa returns an empty output; found in review)."""
-    b, h, lq, skv = shape
-    q, k, v = qkv(b, h, lq, skv, 4, requires_grad=True)
-    for mask in (torch.ones(lq, skv, dtype=torch.bool), torch.zeros(lq, skv)):
-        out = ow.sdpa(q, k, v, mask, is_causal=True)
-        assert out.shape == (b, h, lq, 4)
-        assert all(g.shape == t.shape for g, t in zip(grads(out, (q, k, v)), (q, k, v)))
+EMPTY_WITH_MASK_AND_CAUSAL = {
+    "empty_batch": ((0, 2, 3, 4), (0, 2, 5, 4), (0, 2, 5, 4)),
+    "zero_length_query": ((1, 2, 0, 4), (1, 2, 5, 4), (1, 2, 5, 4)),
+    "zero_heads": ((1, 0, 3, 4), (1, 0, 5, 4), (1, 0, 5, 4)),
+    # head_dim 0 with an empty output (found in review: the op raised where
+    # torch 2.13's F.sdpa returns).
+    "empty_batch_head_dim_0": ((0, 2, 3, 0), (0, 2, 3, 0), (0, 2, 3, 0)),
+    "zero_length_head_dim_0": ((1, 2, 0, 0), (1, 2, 0, 0), (1, 2, 0, 0)),
+    "value_head_dim_0": ((1, 2, 3, 0), (1, 2, 5, 0), (1, 2, 5, 0)),
+    "only_value_head_dim_0": ((1, 2, 3, 4), (1, 2, 5, 4), (1, 2, 5, 0)),
+}
+
+
+@pytest.mark.parametrize("q_shape,k_shape,v_shape", EMPTY_WITH_MASK_AND_CAUSAL.values(),
+                         ids=EMPTY_WITH_MASK_AND_CAUSAL.keys())
+def test_empty_call_with_mask_and_is_causal_as_f_sdpa(ow, q_shape, k_shape, v_shape):
+    """An empty call with a mask and is_causal gets F.sdpa's answer, which
+    differs between releases: an empty output on torch 2.13's CPU build,
+    "Explicit attn_mask should not be set when is_causal=True" on 2.14 and
+    2.15. The op's math route had folded is_causal into the mask (it returned
+    where 2.14 raises, raised at head_dim 0 where 2.13 returns, and built an
+    L x S mask for an empty batch; found in review): PyTorch answers every
+    empty call from torch 2.13."""
+    q, k, v = (torch.randn(s, requires_grad=True) for s in (q_shape, k_shape, v_shape))
+    for mask in (torch.ones(q_shape[-2], k_shape[-2], dtype=torch.bool),
+                 torch.zeros(q_shape[-2], k_shape[-2])):
+        stock = _outcome(F_SDPA, q, k, v, mask, is_causal=True)
+        assert _outcome(ow.sdpa, q, k, v, mask, is_causal=True) == stock
+        if isinstance(stock[0], int):  # an output: its gradients have the inputs' shapes
+            out = ow.sdpa(q, k, v, mask, is_causal=True)
+            assert all(g.shape == t.shape for g, t in zip(grads(out, (q, k, v)), (q, k, v)))
 
 
 def test_head_dim_0_with_mask_and_is_causal_raises_as_f_sdpa(ow):
-    """At head_dim 0 F.sdpa takes its math backend itself, which refuses a
-    mask with is_causal: so does the op (the fold above is for what the
-    fused kernel serves)."""
+    """At head_dim 0 with an output to compute F.sdpa takes its math backend
+    itself, which refuses a mask with is_causal: so does the op."""
     q, k = torch.randn(1, 2, 4, 0), torch.randn(1, 2, 5, 0)
     v = torch.randn(1, 2, 5, 8)
     mask = torch.ones(4, 5, dtype=torch.bool)
