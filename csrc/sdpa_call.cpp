@@ -3,9 +3,12 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/SDPBackend.h>
 #include <c10/core/SymBool.h>
 
 #include <vector>
+
+#include "decision.h"
 
 namespace openwam {
 
@@ -56,13 +59,20 @@ at::Tensor stand_in(const at::Tensor& like, c10::SymIntArrayRef sizes, c10::Devi
 // query's device), if PyTorch has one: its error comes first, type and words
 // (found in review: the op's checks had replaced F.sdpa's errors for head
 // counts, shapes and mask broadcasting, and an IndexError's type). On the
-// error path only: one forward of stock's, without gradients or dropout.
-void raise_pytorch_error_if_any(const SdpaCall& c, const at::Tensor& query,
-                                const at::Tensor& key, const at::Tensor& value,
+// error path only: one forward of stock's, without gradients.
+void raise_pytorch_error_if_any(const SdpaCall& c, const at::Tensor& value,
                                 const std::optional<at::Tensor>& mask) {
   at::NoGradGuard no_grad;
-  (void)at::scaled_dot_product_attention(query, key, value, mask, /*dropout_p=*/0.0,
-                                         c.is_causal, c.scale, c.enable_gqa);
+  (void)at::scaled_dot_product_attention(c.query, c.key, value, mask, c.dropout_p, c.is_causal,
+                                         c.scale, c.enable_gqa);
+}
+
+// Whether F.sdpa runs the call on its math backend, whose ops check shapes
+// and devices before they read: there the call itself is safe to try, and
+// F.sdpa's error is the one it raises. Its fused kernels may read past a short
+// value or a meta mask instead.
+bool pytorch_takes_math(const SdpaCall& c) {
+  return pytorch_choice(c) == static_cast<int64_t>(at::SDPBackend::math);
 }
 
 // A mask on a device other than the query's: stock's fused kernels, on the
@@ -78,7 +88,8 @@ void check_mask_device(const SdpaCall& c) {
   if (mask.device() == q.device() || q.is_meta()) return;
   if (!passes_pytorch_validation(c) || !broadcasts_to_scores(mask, q, c.key)) return;
   if (q.sym_numel() == 0 || c.key.sym_numel() == 0 || c.value.sym_numel() == 0) return;
-  raise_pytorch_error_if_any(c, q, c.key, c.value, stand_in(mask, mask.sym_sizes(), q.device()));
+  raise_pytorch_error_if_any(
+      c, c.value, pytorch_takes_math(c) ? mask : stand_in(mask, mask.sym_sizes(), q.device()));
   // Worded as PyTorch's own device check (c10's common_device_check_failure).
   TORCH_CHECK(false, "Expected all tensors to be on the same device, but got attn_mask is on ",
               mask.device(), ", different from other tensors on ", q.device(),
@@ -130,16 +141,11 @@ void check_call(const SdpaCall& c) {
   if (k.has_value() && v.has_value() && *k == *v) return;  // concrete and equal
   if (!passes_pytorch_validation(c)) return;  // PyTorch's own error comes first
   if (k.has_value() && v.has_value()) {
-    if (c.query.dim() != 4) {
-      // F.sdpa runs these on its math backend (its fused kernels take 4-D
-      // inputs only), whose matmuls check the lengths before they read:
-      // its error, as F.sdpa raises it.
-      raise_pytorch_error_if_any(c, c.query, c.key, c.value, c.attn_mask);
-    }
     std::vector<c10::SymInt> sizes(c.value.sym_sizes().begin(), c.value.sym_sizes().end());
     sizes[sizes.size() - 2] = s_kv;
-    raise_pytorch_error_if_any(c, c.query, c.key, stand_in(c.value, sizes, c.value.device()),
-                               c.attn_mask);
+    raise_pytorch_error_if_any(
+        c, pytorch_takes_math(c) ? c.value : stand_in(c.value, sizes, c.value.device()),
+        c.attn_mask);
   }
   // Symbolic under torch.compile: a runtime assert, not a guard.
   TORCH_SYM_CHECK(s_kv.sym_eq(s_v),

@@ -154,7 +154,7 @@ Tensors4 reference_forward(const at::Tensor& query, const at::Tensor& key,
 
 Tensors3 reference_backward(const at::Tensor& grad_out, const at::Tensor& query,
                             const at::Tensor& key, const at::Tensor& value,
-                            const at::Tensor& out, const at::Tensor& logsumexp,
+                            const at::Tensor& /*out*/, const at::Tensor& logsumexp,
                             const at::Tensor&, const at::Tensor&, const at::Tensor& cu_q,
                             const at::Tensor& cu_k, c10::SymInt, c10::SymInt, double dropout_p,
                             bool is_causal, std::optional<double> scale) {
@@ -176,7 +176,10 @@ Tensors3 reference_backward(const at::Tensor& grad_out, const at::Tensor& query,
         heads_first(value.narrow(0, q.k0, q.lk), heads, type), is_causal, s,
         logsumexp.narrow(1, q.q0, q.lq));
     const at::Tensor go = grad_out.narrow(0, q.q0, q.lq).transpose(0, 1).to(type);
-    const at::Tensor o = out.narrow(0, q.q0, q.lq).transpose(0, 1).to(type);
+    // The output in the compute type, not the one rounded to bf16/fp16: a
+    // rounded output put delta's rounding into dQ and dK (2x-5x F.sdpa's bf16
+    // error at scale -1.5; found in review). F.sdpa's CPU kernels keep it too.
+    const at::Tensor o = at::matmul(r.probs, r.value);
     const at::Tensor delta = (go * o).sum(-1, /*keepdim=*/true);
     const at::Tensor ds = r.probs * (at::matmul(go, r.value.transpose(-1, -2)) - delta);
     dq.narrow(0, q.q0, q.lq).copy_((at::matmul(ds, r.key) * s).transpose(0, 1));

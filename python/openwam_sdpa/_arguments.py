@@ -81,6 +81,10 @@ def _as_int(value):
     if isinstance(value, torch.SymInt) or (type(value) is int and torch.compiler.is_compiling()):
         return value  # symbolic while traced: its range is the tracer's
     value = int(value)
+    if torch.compiler.is_compiling():
+        # A NumPy int or a 0-dim tensor reads as a symbolic int here; a range
+        # test of it would not trace (InternalTorchDynamoError; found in review).
+        return value
     if value not in INT64:
         torch.tensor(value)  # raises the parser's ValueError (its unpacking of an int64)
     return value

@@ -39,7 +39,7 @@ ROUTES = {
     "cudnn": "the guarded cuDNN path",
     "pytorch": "PyTorch's own F.scaled_dot_product_attention, untouched",
     "pytorch_without_cudnn": "PyTorch's F.scaled_dot_product_attention with cuDNN off for the call",
-    "math": "PyTorch's math backend (an input is empty, or vmap on CUDA)",
+    "math": "PyTorch's math backend (vmap on CUDA; before torch 2.13, an empty input)",
 }
 
 
