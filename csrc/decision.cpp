@@ -27,11 +27,6 @@ const char* backend_name(int64_t choice) {
 
 constexpr int64_t kCudnnChoice = static_cast<int64_t>(at::SDPBackend::cudnn_attention);
 
-bool any_input_empty(const SdpaCall& c) {
-  // sym_numel: numel() throws on the symbolic sizes of a dynamic-shape trace.
-  return c.query.sym_numel() == 0 || c.key.sym_numel() == 0 || c.value.sym_numel() == 0;
-}
-
 Decision routed(Route route, const char* reason) {
   Decision d;
   d.route = route;

@@ -17,6 +17,11 @@ bool SdpaCall::differentiated() const {
          (query.requires_grad() || key.requires_grad() || value.requires_grad());
 }
 
+bool any_input_empty(const SdpaCall& c) {
+  // sym_numel: numel() throws on the symbolic sizes of a dynamic-shape trace.
+  return c.query.sym_numel() == 0 || c.key.sym_numel() == 0 || c.value.sym_numel() == 0;
+}
+
 bool passes_pytorch_validation(const SdpaCall& c) {
   const at::Tensor& q = c.query;
   if (q.scalar_type() != c.key.scalar_type() || q.scalar_type() != c.value.scalar_type()) {
@@ -87,7 +92,7 @@ void check_mask_device(const SdpaCall& c) {
   const at::Tensor& q = c.query;
   if (mask.device() == q.device() || q.is_meta()) return;
   if (!passes_pytorch_validation(c) || !broadcasts_to_scores(mask, q, c.key)) return;
-  if (q.sym_numel() == 0 || c.key.sym_numel() == 0 || c.value.sym_numel() == 0) return;
+  if (any_input_empty(c)) return;
   raise_pytorch_error_if_any(
       c, c.value, pytorch_takes_math(c) ? mask : stand_in(mask, mask.sym_sizes(), q.device()));
   // Worded as PyTorch's own device check (c10's common_device_check_failure).

@@ -35,6 +35,9 @@ struct SdpaCall {
 // call failing them must reach PyTorch untouched, to fail with its own error.
 bool passes_pytorch_validation(const SdpaCall& call);
 
+// Whether query, key or value has no elements.
+bool any_input_empty(const SdpaCall& call);
+
 // 4-D inputs: key and value of one head count, which equals the query's or,
 // under enable_gqa, divides it.
 bool heads_group(const SdpaCall& call);
