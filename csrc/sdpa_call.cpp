@@ -59,9 +59,10 @@ at::Tensor stand_in(const at::Tensor& like, c10::SymIntArrayRef sizes, c10::Devi
   return at::zeros_symint(sizes, like.options().device(device));
 }
 
-// Raises PyTorch's own error for the call with `value` and `mask` standing in
-// for what the op checks itself (a value of the key's length, a mask on the
-// query's device), if PyTorch has one: its error comes first, type and words
+// Raises PyTorch's own error for the call with this `value` and `mask`, if
+// PyTorch has one: the call's own where F.sdpa's math backend serves it, else
+// stand-ins for what the op checks itself (a value of the key's length, a mask
+// on the query's device). Its error comes first, type and words
 // (found in review: the op's checks had replaced F.sdpa's errors for head
 // counts, shapes and mask broadcasting, and an IndexError's type). On the
 // error path only: one forward of stock's, without gradients.

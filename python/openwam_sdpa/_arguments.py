@@ -78,12 +78,13 @@ INT64 = range(-(2**63), 2**63)
 
 
 def _as_int(value):
-    if isinstance(value, torch.SymInt) or (type(value) is int and torch.compiler.is_compiling()):
-        return value  # symbolic while traced: its range is the tracer's
+    if isinstance(value, torch.SymInt):
+        return value
     value = int(value)
     if torch.compiler.is_compiling():
-        # A NumPy int or a 0-dim tensor reads as a symbolic int here; a range
-        # test of it would not trace (InternalTorchDynamoError; found in review).
+        # Symbolic while traced (an int, a NumPy int or a 0-dim tensor): its
+        # range is the tracer's; a range test of it would not trace
+        # (InternalTorchDynamoError; found in review).
         return value
     if value not in INT64:
         torch.tensor(value)  # raises the parser's ValueError (its unpacking of an int64)
