@@ -39,6 +39,9 @@
 #   sweep   python tools/sweep_single_query_row.py --out $OUT/sweep
 #   pytorch python tools/pytorch_sdpa_tests.py --device cuda --out $OUT/pt
 #           (PyTorch's own SDPA tests, plain and patched; carry .external)
+#   dist    torchrun --nproc-per-node 2 tools/train_distributed.py --out $OUT/dist
+#           (DDP, FSDP2, tensor parallel; on a one-GPU machine both ranks
+#           share it over gloo, as NCCL refuses a shared GPU)
 #   bench   python benchmarks/bench_sdpa.py --out $OUT/bench $BENCH_ARGS
 #   host    python benchmarks/bench_sdpa.py --sections host --out $OUT/host
 #           (host time per forward and backward call, paired rounds)
@@ -107,7 +110,7 @@ parts=("$@")
 ((${#parts[@]})) || parts=(build tests doctor bench)
 gpu_half=0
 want_build=0 want_ctest=0 want_cpu=0 want_gpu=0 want_fuzz=0 want_ragged=0 want_doctor=0 want_bench=0 want_sweep=0 want_pytorch=0
-want_host=0
+want_host=0 want_dist=0
 for p in "${parts[@]}"; do
   case $p in
     build) want_build=1 ;;
@@ -124,8 +127,9 @@ for p in "${parts[@]}"; do
     sweep) want_sweep=1 ;;
     pytorch) want_pytorch=1 ;;
     host) want_host=1 ;;
+    dist) want_dist=1 ;;
     all) want_build=1 want_ctest=1 want_cpu=1 want_gpu=1 want_doctor=1 want_bench=1 ;;
-    *) echo "device_run.sh: unknown part '$p' (build ctest cpu gpu gpu1 gpu2 fuzz ragged tests doctor sweep pytorch bench host all)"; exit 2 ;;
+    *) echo "device_run.sh: unknown part '$p' (build ctest cpu gpu gpu1 gpu2 fuzz ragged tests doctor sweep pytorch dist bench host all)"; exit 2 ;;
   esac
 done
 
@@ -153,7 +157,7 @@ say "nvcc $(nvcc --version 2>/dev/null | grep -oE 'release [0-9.]+' || echo 'NOT
 cmake $(cmake --version 2>/dev/null | head -1 | grep -oE '[0-9.]+$'), $(nproc) cores, \
 TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, parts: ${parts[*]}"
 
-st_build="-" st_ctest="-" st_cpu="-" st_gpu="-" st_fuzz="-" st_ragged="-" st_doctor="-" st_bench="-" st_sweep="-" st_pytorch="-" build_s="-"
+st_build="-" st_ctest="-" st_cpu="-" st_gpu="-" st_fuzz="-" st_ragged="-" st_doctor="-" st_bench="-" st_sweep="-" st_pytorch="-" st_dist="-" build_s="-"
 st_host="-"
 
 ext_importable() {
@@ -186,7 +190,7 @@ do_build() {
   fi
   say "build: $st_build"
 }
-if ((want_build)) || { ((want_cpu || want_gpu || want_fuzz || want_ragged || want_doctor || want_bench || want_sweep || want_pytorch || want_host)) && ! ext_importable; }; then
+if ((want_build)) || { ((want_cpu || want_gpu || want_fuzz || want_ragged || want_doctor || want_bench || want_sweep || want_pytorch || want_host || want_dist)) && ! ext_importable; }; then
   do_build
 fi
 
@@ -367,6 +371,14 @@ if ((want_pytorch)); then
   script_part pytorch 360 "$TESTS_LOG" "$PY" tools/pytorch_sdpa_tests.py --device cuda --out "$OUT/pt" ${PT_ARGS:-}
   st_pytorch=$REPLY
 fi
+if ((want_dist)); then
+  mkdir -p "$OUT/dist"
+  dist_backend=nccl
+  (( $("$PY" -c 'import torch; print(torch.cuda.device_count())') < 2 )) && dist_backend=gloo
+  script_part dist 420 "$TESTS_LOG" "$PY" -m torch.distributed.run --nproc-per-node 2 \
+    tools/train_distributed.py --backend "$dist_backend" --out "$OUT/dist"
+  st_dist=$REPLY
+fi
 if ((want_host)); then
   script_part host 300 "$TESTS_LOG" "$PY" benchmarks/bench_sdpa.py --sections host --out "$OUT/host"
   st_host=$REPLY
@@ -400,10 +412,10 @@ echo
 echo "==================== device_run summary ($((SECONDS - T0))s) ===================="
 printf '%-7s %s\n' build "$st_build" ctest "$st_ctest" cpu "$st_cpu" gpu "$st_gpu" fuzz "$st_fuzz" \
   ragged "$st_ragged" doctor "$st_doctor" \
-  sweep "$st_sweep" pytorch "$st_pytorch" bench "$st_bench" host "$st_host"
+  sweep "$st_sweep" pytorch "$st_pytorch" dist "$st_dist" bench "$st_bench" host "$st_host"
 printf '%-7s %s\n' files "$nfiles under $OUT"
 fail=0
-for s in "$st_build" "$st_ctest" "$st_cpu" "$st_gpu" "$st_fuzz" "$st_ragged" "$st_doctor" "$st_sweep" "$st_pytorch" "$st_bench" \
+for s in "$st_build" "$st_ctest" "$st_cpu" "$st_gpu" "$st_fuzz" "$st_ragged" "$st_doctor" "$st_sweep" "$st_pytorch" "$st_dist" "$st_bench" \
          "$st_host"; do
   [[ "$s" == "-" || "$s" == ok* || "$s" == "no benchmarks"* ]] || fail=1
 done

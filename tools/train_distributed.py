@@ -4,6 +4,7 @@ with compiled blocks) and tensor parallelism over DTensor, each compared with
 a single-device run of the same model and data.
 
     torchrun --nproc-per-node 2 tools/train_distributed.py --out OUT
+    torchrun --nproc-per-node 2 tools/train_distributed.py --backend gloo --out OUT
     torchrun --nproc-per-node 2 tools/train_distributed.py --device cpu --tiny --out OUT
 
 A small randomly initialised transformer whose attention calls
@@ -25,6 +26,12 @@ shard PyTorch's CPU attention with a mask (its decomposition-based sharding
 propagation does not finish), so there the model calls the cuDNN path's leaf
 op directly, whose CPU kernel is an fp32 reference: the smoke test runs the
 same DTensor sharding rules as the GPU run.
+
+With --backend gloo the ranks may share GPUs (rank i takes GPU i modulo the
+count): NCCL refuses two ranks on one GPU, gloo stages CUDA tensors through
+the host. That runs the op's CUDA path under every engine on a one-GPU
+machine; only the collectives differ from an NCCL run, and the op issues
+none. The context-parallel probe needs NCCL's all-to-all and is left out.
 """
 
 from __future__ import annotations
@@ -451,9 +458,11 @@ def check(result, reference) -> list:
     return problems
 
 
-def stack_facts(cfg, device, world) -> dict:
+def stack_facts(cfg, device, world, backend) -> dict:
     info = openwam_sdpa.build_info()
     facts = {"torch": torch.__version__, "device": str(device), "ranks": world,
+             "backend": backend,
+             "gpus": torch.cuda.device_count() if device.type == "cuda" else 0,
              "openwam_sdpa": openwam_sdpa.__version__, "config": dataclasses.asdict(cfg)}
     if device.type == "cuda":
         version = torch.backends.cudnn.version() or 0
@@ -472,7 +481,8 @@ def markdown(facts, results, cp) -> str:
         f"{facts.get('cudnn', 'n/a')}; key length {cfg['seq']} (guard table: "
         f"{'affected' if facts.get('affected') else 'not affected'}), head_dim "
         f"{cfg['head_dim']}, bf16, left-padded batch of {cfg['batch']}, "
-        f"{cfg['steps']} SGD steps, {facts['ranks']} ranks.",
+        f"{cfg['steps']} SGD steps, {facts['ranks']} ranks over {facts['backend']}"
+        f"{' sharing ' + str(facts['gpus']) + ' GPU(s)' if 0 < facts['gpus'] < facts['ranks'] else ''}.",
         "",
         "| mode | attention sees (q; out) | route / plan | non-finite grads "
         "| loss first, last | max rel. diff loss / grad norm | peak MiB per GPU | s | verdict |",
@@ -538,22 +548,30 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="directory for results.json/.md")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="small shapes (smoke test)")
+    parser.add_argument("--backend", choices=("nccl", "gloo"), default=None,
+                        help="process group backend (default: nccl on cuda, gloo on cpu); "
+                             "gloo lets ranks share a GPU")
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile backend of the FSDP2 blocks (default inductor)")
     args = parser.parse_args()
 
     cfg = TINY if args.tiny else Config()
+    backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
+    if args.device == "cpu" and backend == "nccl":
+        parser.error("--backend nccl needs --device cuda")
     # A rank that fails alone leaves the other waiting in a collective: end
     # the run in minutes rather than at the default 10.
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=180))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=180))
     rank, world = dist.get_rank(), dist.get_world_size()
     if cfg.batch % world:
         raise SystemExit(f"batch {cfg.batch} does not split over {world} ranks")
     if args.device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", rank))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
+        if local >= torch.cuda.device_count() and backend == "nccl":
+            raise SystemExit(f"rank {local} has no GPU of its own ({torch.cuda.device_count()} "
+                             "visible) and NCCL refuses shared GPUs: pass --backend gloo")
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        device = torch.device("cuda", local % torch.cuda.device_count())
     else:
         device = torch.device("cpu")
     kernel = "openwam" if device.type == "cuda" else "leaf"
@@ -589,10 +607,10 @@ def main() -> int:
         results[name] = r
 
     ok = verdicts(results) if rank == 0 else True
-    facts = stack_facts(cfg, device, world) if rank == 0 else {}
+    facts = stack_facts(cfg, device, world, backend) if rank == 0 else {}
     if rank == 0:
         write(args.out, facts, results, {}, ok)
-    if device.type == "cuda":
+    if device.type == "cuda" and backend == "nccl":
         # After the training results are on disk: a probe that hangs or
         # crashes costs only itself.
         cp = probe_context_parallel(cfg, device, world)
