@@ -359,6 +359,30 @@ def floor_for(ref: torch.Tensor, dtype: torch.dtype) -> float:
     return ulp_at_max(ref, dtype) / 4
 
 
+def zero_gradient_floor(name, q, k, v, go, scale=None) -> float:
+    """The floor of a gradient whose exact value is 0: dQ and dK (`name`
+    "dq" or "dk") of a sequence whose every query sees one key (softmax 1,
+    so dP - delta cancels exactly). The kernels compute dP = dO . V and
+    delta = dO . O as fp32 dot products, each rounding within eps times the
+    sum of its terms' magnitudes, sum_d |dO_d V_d|; the difference is scaled
+    by `scale` and the other operand (K for dQ, Q for dK). The floor is four
+    fp32 ulps at scale * max sum_d |dO_d V_d| * max|K| (dQ) or max|Q| (dK):
+    PyTorch's fused CPU kernel stays within half of one (test_fuzz_rules.py),
+    and a delta 1% off lies 100 times above it. Where the tensor's relative
+    error is undefined and its own largest entry is 0, that is what a
+    correct kernel can give. q and go are (s_q, heads, head_dim), k and v
+    (s_k, kv_heads, head_dim)."""
+    if q.numel() == 0 or k.numel() == 0:
+        return 0.0
+    rep = q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    terms = torch.einsum("qhd,khd->hqk", go.double().abs(),
+                         v.double().abs().repeat_interleave(rep, 1))
+    other = {"dq": k, "dk": q}[name]
+    size = scale * float(terms.max()) * float(other.abs().max())
+    return 4 * ulp_at_max(torch.tensor(size), torch.float32)
+
+
 STOCK_FACTOR = 2.0
 
 

@@ -1,15 +1,18 @@
 """The GPU fuzzes' rules, as pure functions of measured errors
 (support.contract_clause for the dense fuzz, support.packed_yardstick for the
 varlen one, support.within_key_padded for both): which clause admits what, and
-that an error none admits fails."""
+that an error none admits fails; and the varlen fuzz's floor for a gradient
+that is exactly 0 (support.zero_gradient_floor)."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
+import torch
+import torch.nn.functional as F
 
-from support import contract_clause, packed_yardstick, within_key_padded
+from support import contract_clause, packed_yardstick, within_key_padded, zero_gradient_floor
 
 NAN, INF = math.nan, math.inf
 
@@ -75,3 +78,38 @@ def test_a_refused_stock_call_admits_nothing_by_itself():
 ])
 def test_within_key_padded(err, key_padded, floor, expected):
     assert within_key_padded(err, key_padded, floor) is expected
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(1, 1, 64), (2, 1, 192), (4, 2, 256)])
+@pytest.mark.parametrize("size_q", [1.0, 10.0])
+def test_zero_gradient_floor_holds_fp32_rounding_and_no_real_error(heads, kv_heads, head_dim,
+                                                                   size_q):
+    # One causal query sees key 0 alone: its exact dQ and dK are 0. fp32
+    # arithmetic leaves rounding noise there, which the floor must hold; the
+    # error of a delta (dO . O) 1% off must lie far above it.
+    g = torch.Generator().manual_seed(head_dim)
+    q, go = (size_q * torch.randn(1, heads, head_dim, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, kv_heads, head_dim, generator=g) for _ in range(2))
+    rep = heads // kv_heads
+    floors = {n: zero_gradient_floor(n, q, k, v, go) for n in ("dq", "dk")}
+    noise = {"dq": 0.0, "dk": 0.0}
+    for _ in range(8):  # summation orders: the dot products permuted
+        idx = torch.randperm(head_dim, generator=g)
+        qs, ks, vs = (t[..., idx].clone().requires_grad_() for t in (q, k, v))
+        heads_first = lambda t: t.transpose(0, 1)[None]  # noqa: E731
+        out = F.scaled_dot_product_attention(
+            heads_first(qs), heads_first(ks).repeat_interleave(rep, 1),
+            heads_first(vs).repeat_interleave(rep, 1), is_causal=True)
+        grads = torch.autograd.grad(out, (qs, ks), heads_first(go[..., idx]))
+        for n, grad in zip(("dq", "dk"), grads):
+            noise[n] = max(noise[n], float(grad.abs().max()))
+    assert noise["dq"] <= floors["dq"] and noise["dk"] <= floors["dk"]
+    # dQ with delta 1% off: scale * P * (dP - 1.01 dP) * K.
+    dp = (go * v.repeat_interleave(rep, 1)).sum(-1, keepdim=True)
+    wrong_dq = head_dim ** -0.5 * 0.01 * dp * k.repeat_interleave(rep, 1)
+    assert float(wrong_dq.abs().max()) > 100 * floors["dq"]
+
+
+def test_zero_gradient_floor_of_an_empty_sequence_is_zero():
+    assert zero_gradient_floor("dq", torch.empty(0, 2, 64), torch.empty(0, 1, 64),
+                               torch.empty(0, 1, 64), torch.empty(0, 2, 64)) == 0.0

@@ -171,9 +171,9 @@ def stock_cudnn(q, k, v, go, **kwargs) -> Attn | None:
 
 def _padded_keys(fn):
     """F.sdpa on keys zero-padded to a multiple of 128 and hidden by the
-    mask (False / -inf): the same attention, computed by stock cuDNN without
-    the key-tail defect (no non-finite element in any case measured on the
-    H200 with cuDNN 9.19.0).
+    mask (False / -inf) or by is_causal's diagonal: the same attention,
+    computed by stock cuDNN without the key-tail defect (no non-finite
+    element in any case measured on the H200 with cuDNN 9.19.0).
     Differentiable; the padded keys' gradients are dropped by F.pad's
     backward."""
 
@@ -181,8 +181,10 @@ def _padded_keys(fn):
         s_kv = k.shape[-2]
         extra = -s_kv % KEY_TILE
         k, v = (F.pad(t, (0, 0, 0, extra)) for t in (k, v))
-        if attn_mask is None:
+        if attn_mask is None and not kwargs.get("is_causal"):
             attn_mask = (torch.arange(s_kv + extra, device=q.device) < s_kv).view(1, 1, 1, -1)
+        elif attn_mask is None:
+            pass  # top-left is_causal with s_q <= s_kv: row i sees keys 0..i, none padded
         elif attn_mask.dtype == torch.bool:
             attn_mask = F.pad(attn_mask, (0, extra), value=False)
         else:
@@ -193,9 +195,11 @@ def _padded_keys(fn):
 
 
 def stock_cudnn_padded(q, k, v, go, **kwargs) -> Attn | None:
-    """Stock cuDNN on key-padded inputs (not for is_causal, whose diagonal
-    the padding would have to fold into the mask; stock is clean there)."""
-    if kwargs.get("is_causal") or k.shape[-2] % KEY_TILE == 0:
+    """Stock cuDNN on key-padded inputs: what a right-padded batch hands
+    stock F.sdpa. is_causal only with s_q <= s_kv, where the top-left
+    diagonal hides the padded keys from every row (with more queries than
+    keys the last rows would see them)."""
+    if k.shape[-2] % KEY_TILE == 0 or (kwargs.get("is_causal") and q.shape[-2] > k.shape[-2]):
         return None
     fn = _expand_gqa(_padded_keys(F.scaled_dot_product_attention))
     try:

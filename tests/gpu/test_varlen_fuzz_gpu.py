@@ -47,7 +47,14 @@ the kernels' result there is rounding noise around 0 (about 1e-7), where a
 relative error is undefined and a floor at the tensor's own largest entry is
 0. Such a row stays in the max-norm rule with its sequence's other rows, not
 in the relative one; such a tensor's floor is taken at the largest entry of
-the same tensor over the whole pack (the packed gradient the user holds).
+the same tensor over the whole pack (the packed gradient the user holds), or
+where that is 0 too (a pack of such sequences) at the accumulator's rounding
+of the terms that cancel (support.zero_gradient_floor: on one causal query
+over two heads sharing one key, head_dim 192, bf16, stock gave 2.5e-7 and the
+ragged engine 5.0e-7 there; seed 1059854563 case 123, H100, cuDNN 9.19.0).
+
+OPENWAM_VARLEN_FUZZ_CASE (a comma-separated list of case numbers, in every
+failure message) checks only those cases of the seed's draw.
 """
 
 from __future__ import annotations
@@ -63,7 +70,7 @@ import torch
 
 import openwam_sdpa
 from support import (dropout_bias, load_tool, packed_yardstick, twice_stock_problem,
-                     within_key_padded)
+                     within_key_padded, zero_gradient_floor)
 
 from .conftest import GPU_MARKS, LOW_ROW_FLOOR, SDPBackend, floor_for, stock_cudnn_padded
 
@@ -72,6 +79,7 @@ pytestmark = GPU_MARKS
 sweep = load_tool("sweep_varlen_ragged.py")
 CASES = int(os.environ.get("OPENWAM_VARLEN_FUZZ_CASES", "500"))
 SEED = int(os.environ.get("OPENWAM_VARLEN_FUZZ_SEED", str(time.time_ns() % 2**31)))
+ONLY = {int(x) for x in os.environ.get("OPENWAM_VARLEN_FUZZ_CASE", "").split(",") if x.strip()}
 STOCK = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)
 
 
@@ -129,7 +137,8 @@ def sequence_key_padded_dq(p, b, causal):
     """Stock cuDNN on sequence b alone with its keys zero-padded to a multiple
     of 128 and masked (conftest.stock_cudnn_padded): cuDNN's own arithmetic
     without its key-tail defect. dQ in float64, or None where it cannot run
-    (is_causal, a key length already a multiple of 128, a refusal)."""
+    (is_causal with more queries than keys, a key length already a multiple
+    of 128, a refusal)."""
     (q0, q1), (k0, k1) = spans(p.cu_q)[b], spans(p.cu_k)[b]
     heads_first = lambda t: t.detach().clone().transpose(0, 1)[None].requires_grad_()  # noqa: E731
     q, k, v = (heads_first(t) for t in (p.q[q0:q1], p.k[k0:k1], p.v[k0:k1]))
@@ -164,7 +173,7 @@ def check(i: int, c: dict, backends: dict, worst: dict, admitted: set,
           outside_best: list, fa2_outside_best: list) -> str | None:
     p = sweep.packed_adversarial(c["lens_q"], c["lens_k"], H=c["H"], Hkv=c["Hkv"], D=c["D"],
                                  low=c["low"], dtype=c["dtype"], seed=c["seed"])
-    where = f"case {i} (OPENWAM_VARLEN_FUZZ_SEED={SEED}): {c}"
+    where = f"case {i} (OPENWAM_VARLEN_FUZZ_SEED={SEED} OPENWAM_VARLEN_FUZZ_CASE={i}): {c}"
     gqa = c["H"] != c["Hkv"]
     engine = openwam_sdpa.explain_varlen(p.q, p.k, p.v, p.cu_q, p.cu_k, p.max_q, p.max_k,
                                          dropout_p=c["dropout"], is_causal=c["causal"],
@@ -213,6 +222,8 @@ def check(i: int, c: dict, backends: dict, worst: dict, admitted: set,
                 continue  # no finite stock backend: finite is the bar (checked above)
             zero = sees_one_key and n in ("dq", "dk")
             floor = floor_for(r.new_tensor(pack_max[n]) if zero else r, c["dtype"])
+            if zero and floor == 0.0:
+                floor = zero_gradient_floor(n, p.q[q0:q1], p.k[k0:k1], p.v[k0:k1], p.go[q0:q1])
             err = sweep.max_err(getattr(mine, n), r, skip)
             # Stock as called may be finite where no forced backend is (PyTorch picks math).
             best = min([e for e in errs.values() if math.isfinite(e)], default=math.inf)
@@ -240,7 +251,7 @@ def check(i: int, c: dict, backends: dict, worst: dict, admitted: set,
                 own = sequence_key_padded_dq(p, b, c["causal"])
                 own_err = sweep.row_rel_err(own, ref.dq, rows) if own is not None else math.inf
                 if not within_key_padded(err, own_err, LOW_ROW_FLOOR):
-                    return f"{where}: {problem}"
+                    return f"{where}: {problem}; key-padded stock cuDNN {own_err:.3e}"
                 admitted.add(i)
                 print(f"varlen fuzz: {where}: adversarial dQ rows of sequence {b} "
                       f"({err:.3e}) admitted by key-padded stock cuDNN ({own_err:.3e})",
@@ -253,7 +264,10 @@ def test_varlen_fuzz_against_stock(suite_results):
     failures, backends, worst, admitted, outside_best, fa2_outside = [], {}, {}, set(), [], []
     t0 = time.time()
     for i in range(CASES):
-        problem = check(i, draw(rng), backends, worst, admitted, outside_best, fa2_outside)
+        c = draw(rng)
+        if ONLY and i not in ONLY:
+            continue
+        problem = check(i, c, backends, worst, admitted, outside_best, fa2_outside)
         if problem:
             failures.append(problem)
             print(f"varlen fuzz: FAILED {problem}", flush=True)
