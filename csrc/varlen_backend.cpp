@@ -169,16 +169,12 @@ VarlenDecision decide_varlen(const VarlenCall& call, VarlenPreference preference
       stack.cudnn_unavailable != nullptr ? stack.cudnn_unavailable : cudnn_ragged_rejects(call);
   VarlenDecision d;
   if (preference == VarlenPreference::kCudnn && cudnn_no == nullptr) {
+    // The setting overrides every row of the ragged layout: they keep it off
+    // where it is unmeasured or rounds adversarial rows coarser than stock,
+    // never where it crashes or gives NaN (such a row would have to hold).
     d = decided(VarlenBackend::kCudnnRagged, "OPENWAM_SDPA_VARLEN=cudnn");
     d.rule = ragged_rule(call, stack.cudnn_version);
-    if (d.rule != nullptr && d.rule->measured.contains(stack.cudnn_version)) {
-      // A row measured on this cuDNN holds whatever the setting says.
-      d = decided(flash_no == nullptr ? VarlenBackend::kFlash : VarlenBackend::kBlockDiagonal,
-                  "a guard row measured on this cuDNN keeps the ragged layout off");
-      d.rule = ragged_rule(call, stack.cudnn_version);
-    } else {
-      d.rule_overridden = d.rule != nullptr;
-    }
+    d.rule_overridden = d.rule != nullptr;
     return d;
   }
   if (preference == VarlenPreference::kAuto && cudnn_no == nullptr) {

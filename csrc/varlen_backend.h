@@ -15,8 +15,8 @@ namespace openwam {
 // frontend's graphs wherever it can take the call and no guard row keeps it
 // off (on a cuDNN this project measured), else FlashAttention-2 varlen;
 // flash = never cuDNN; cudnn = cuDNN's ragged layout wherever it can take the
-// inputs, overriding the guard rows nobody measured on the running cuDNN (for
-// measuring them); block_diagonal = openwam::sdpa over the packed
+// inputs, overriding the ragged layout's guard rows (for measuring them);
+// block_diagonal = openwam::sdpa over the packed
 // batch with a block-diagonal mask, on every device (what transformers'
 // "sdpa" does with packed batches; for comparing, and for testing the
 // fallback on the CPU). Whatever neither fused engine takes runs on the

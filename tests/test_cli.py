@@ -444,11 +444,12 @@ def guards_json(capsys, *args):
 
 
 # ragged_unmeasured (after 9.19.0) and ragged_unmeasured_old (before) keep sdpa_varlen's
-# cuDNN engine off everywhere but 9.19.0, where it was measured.
+# cuDNN engine off everywhere but 9.19.0, where it was measured (and kept to three
+# head_dims by ragged_adversarial_dq_9.19).
 @pytest.mark.parametrize("cudnn,applying,status", [
     # On 9.19.0 the general rows cover what the measured ones do not reach.
     ("9.19.0", {"key_tail_nan_dq_9.19", "key_tail_nan_dq", "sq1_nan_dk_dv_9.19",
-                "sq1_nan_dk_dv"}, "measured"),
+                "sq1_nan_dk_dv", "ragged_adversarial_dq_9.19"}, "measured"),
     ("9.20.0", {"key_tail_nan_dq", "sq1_nan_dk_dv", "ragged_unmeasured"}, "conservative"),
     ("9.26.0", {"bhsq1_backward_plan_segfault", "sq1_nan_dk_dv", "ragged_unmeasured"}, "fixed"),
     # Newer than the table knows: the rows of defects with no known fix stay.

@@ -282,10 +282,12 @@ def test_rows_of_one_defect_on_the_real_table():
     doctor names both); elsewhere the general rows apply."""
     rules = doctor.ops.guard_rules()
     assert [r["name"] for r in doctor.rules_for(91900, rules)] == [
-        "key_tail_nan_dq_9.19", "key_tail_nan_dq", "sq1_nan_dk_dv_9.19", "sq1_nan_dk_dv"]
+        "key_tail_nan_dq_9.19", "key_tail_nan_dq", "sq1_nan_dk_dv_9.19", "sq1_nan_dk_dv",
+        "ragged_adversarial_dq_9.19"]
     summary = doctor.coverage(91900)["summary"]
     assert summary.startswith("measured rule key_tail_nan_dq_9.19"), summary
-    assert summary.endswith("other rules: sq1_nan_dk_dv_9.19 (measured), sq1_nan_dk_dv"), summary
+    assert summary.endswith("other rules: sq1_nan_dk_dv_9.19 (measured), sq1_nan_dk_dv, "
+                            "ragged_adversarial_dq_9.19 (measured)"), summary
     assert [r["name"] for r in doctor.rules_for(92000, rules)] == [
         "key_tail_nan_dq", "sq1_nan_dk_dv", "ragged_unmeasured"]
     assert doctor.defect_of("key_tail_nan_dq_9.19") == doctor.defect_of("key_tail_nan_dq")

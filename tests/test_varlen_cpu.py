@@ -219,12 +219,19 @@ def test_explain_names_why_flash_would_not_serve():
 def test_guard_rows_for_the_ragged_layout():
     rows = {r["name"]: r for r in openwam_sdpa.guard_rules()}
     ragged = {n: r for n, r in rows.items() if n.startswith("ragged")}
-    assert set(ragged) == {"ragged_unmeasured", "ragged_unmeasured_old"}
+    assert set(ragged) == {"ragged_adversarial_dq_9.19", "ragged_unmeasured",
+                           "ragged_unmeasured_old"}
     for row in ragged.values():
-        assert row["measured_first_version"] >= row["measured_end_version"], "unmeasured"
+        assert row["layout"] == "ragged", row
         assert "OPENWAM_SDPA_VARLEN=cudnn overrides" in row["action"]
+    for row in (ragged["ragged_unmeasured"], ragged["ragged_unmeasured_old"]):
+        assert row["measured_first_version"] >= row["measured_end_version"], "unmeasured"
         # 9.19.0, where the engine was measured, lies in neither row.
         assert not row["first_version"] <= 91900 < row["end_version"], row
+    # The fuzz's row: 9.19.0 alone, measured there.
+    row = ragged["ragged_adversarial_dq_9.19"]
+    assert (row["first_version"], row["end_version"]) == (91900, 91901)
+    assert (row["measured_first_version"], row["measured_end_version"]) == (91900, 91901)
     # A dense call never hits a ragged row: the key-tail verdicts are unchanged.
     assert openwam_sdpa.key_tail_defect(91900, 192, 128) is True
     assert openwam_sdpa.key_tail_defect(91900, 256, 128) is False

@@ -83,7 +83,8 @@ TEST_CASE("guard_rules: the rows, in order", "[guards]") {
   CHECK(names == std::vector<std::string>{"bhsq1_backward_plan_segfault",
                                           "key_tail_nan_dq_9.19", "key_tail_nan_dq",
                                           "sq1_nan_dk_dv_9.19", "sq1_nan_dk_dv",
-                                          "ragged_unmeasured", "ragged_unmeasured_old"});
+                                          "ragged_adversarial_dq_9.19", "ragged_unmeasured",
+                                          "ragged_unmeasured_old"});
   // warn_once has a flag for every row only up to kMaxGuardRules.
   CHECK(openwam::guard_rules().size() <= openwam::kMaxGuardRules);
 }
@@ -572,4 +573,26 @@ TEST_CASE("rules ragged_unmeasured(_old): ragged calls, every version but 9.19.0
   }
   // check_guards (openwam::sdpa's dense calls) never meets a ragged row.
   CHECK(name_of(openwam::check_guards(shape(4, 8, 64, 256, 128), k9_19_0).avoid) == "<none>");
+}
+
+TEST_CASE("rule ragged_adversarial_dq_9.19: ragged calls on 9.19.0 but at head_dim 64/128/256",
+          "[guards]") {
+  const GuardRule& r = rule("ragged_adversarial_dq_9.19");
+  CHECK(r.fix == Fix::kAvoidCudnn);
+  CHECK(openwam::ragged_layout_rule(r));
+  CHECK(r.measured.contains(k9_19_0));
+  for (int64_t e : {16, 32, 64, 80, 96, 128, 160, 192, 256}) {
+    for (bool causal : {false, true}) {
+      CAPTURE(e, causal);
+      CallShape dense = shape(2, 4, 64, 320, e);
+      dense.is_causal = causal;
+      CallShape ragged = dense;
+      ragged.ragged = true;
+      CHECK_FALSE(r.covers(dense, k9_19_0));  // openwam::sdpa's calls: never
+      CHECK(r.covers(ragged, k9_19_0) == (e != 64 && e != 128 && e != 256));
+      // Other versions: the unmeasured rows keep every ragged call off already.
+      CHECK_FALSE(r.covers(ragged, k9_26_0));
+      CHECK_FALSE(r.covers(ragged, k9_19_0 - 1));
+    }
+  }
 }

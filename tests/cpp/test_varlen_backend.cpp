@@ -95,8 +95,37 @@ TEST_CASE("varlen: head_dim off a multiple of 16 keeps the ragged layout off", "
     // Not even when asked for: the setting overrides guard rows, not limits.
     CHECK(p.decide(VarlenPreference::kCudnn, cuda_stack()).backend == VarlenBackend::kFlash);
   }
-  CHECK(Packed(at::kBFloat16, 80).decide(VarlenPreference::kAuto, cuda_stack()).backend ==
+  // 80 is a multiple of 16: within the engine's limits, where asked for (by
+  // default a guard row keeps head_dims other than 64/128/256 off: below).
+  CHECK(Packed(at::kBFloat16, 80).decide(VarlenPreference::kCudnn, cuda_stack()).backend ==
         VarlenBackend::kCudnnRagged);
+}
+
+TEST_CASE("varlen: on 9.19.0 the ragged layout keeps to head_dim 64, 128 and 256", "[varlen]") {
+  // The varlen fuzz found an adversarial row's dQ 5.4x stock's at head_dim
+  // 192 (guards.cpp, ragged_adversarial_dq_9.19); the head_dims it never drew
+  // are kept off with it.
+  for (int64_t e : {32, 80, 96, 160, 192}) {
+    CAPTURE(e);
+    const Packed p(at::kBFloat16, e);
+    const VarlenDecision d = p.decide(VarlenPreference::kAuto, cuda_stack());
+    CHECK(d.backend == VarlenBackend::kFlash);
+    CHECK(rule_name(d) == "ragged_adversarial_dq_9.19");
+    CHECK_FALSE(d.rule_overridden);
+    // Without FlashAttention-2: the block-diagonal fallback, not the ragged layout.
+    CHECK(p.decide(VarlenPreference::kAuto, cuda_stack(/*flash=*/false)).backend ==
+          VarlenBackend::kBlockDiagonal);
+    // OPENWAM_SDPA_VARLEN=cudnn overrides the row.
+    const VarlenDecision asked = p.decide(VarlenPreference::kCudnn, cuda_stack());
+    CHECK(asked.backend == VarlenBackend::kCudnnRagged);
+    CHECK(asked.rule_overridden);
+  }
+  for (int64_t e : {64, 128, 256}) {
+    CAPTURE(e);
+    const VarlenDecision d = Packed(at::kHalf, e).decide(VarlenPreference::kAuto, cuda_stack());
+    CHECK(d.backend == VarlenBackend::kCudnnRagged);
+    CHECK(d.rule == nullptr);
+  }
 }
 
 TEST_CASE("varlen: an unmeasured cuDNN takes FlashAttention-2, within its limits", "[varlen]") {
