@@ -485,7 +485,7 @@ def markdown(facts, results, cp) -> str:
         f"{' sharing ' + str(facts['gpus']) + ' GPU(s)' if 0 < facts['gpus'] < facts['ranks'] else ''}.",
         "",
         "| mode | attention sees (q; out) | route / plan | non-finite grads "
-        "| loss first, last | max rel. diff loss / grad norm | peak MiB per GPU | s | verdict |",
+        "| loss first, last | max rel. diff loss / grad norm | peak MiB per rank | s | verdict |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
