@@ -56,6 +56,10 @@ struct GuardRule {
   const char* defect;
   const char* action;
   const char* source;
+  // A ragged row about rounding (no crash, no NaN): where FlashAttention-2
+  // cannot take the call, the ragged layout still runs it rather than the
+  // block-diagonal fallback, whose memory grows as total_q x total_k.
+  bool rounding_only = false;
 
   // Whether the rule covers this call: its versions hold `cudnn_version` and
   // the defect hits the call's shape.

@@ -184,6 +184,14 @@ VarlenDecision decide_varlen(const VarlenCall& call, VarlenPreference preference
                      "cuDNN's ragged layout on the frontend's graphs, measured right on this "
                      "cuDNN");
     }
+    if (rule->rounding_only && flash_no != nullptr) {
+      d = decided(VarlenBackend::kCudnnRagged,
+                  "a guard row about rounding keeps cuDNN's ragged layout off, but "
+                  "FlashAttention-2 cannot serve: the ragged layout rather than the "
+                  "block-diagonal fallback (memory total_q x total_k)");
+      d.rule = rule;
+      return d;
+    }
     d = decided(flash_no == nullptr ? VarlenBackend::kFlash : VarlenBackend::kBlockDiagonal,
                 flash_no == nullptr
                     ? "a guard row keeps cuDNN's ragged layout off: FlashAttention-2 varlen"

@@ -361,25 +361,33 @@ def floor_for(ref: torch.Tensor, dtype: torch.dtype) -> float:
 
 def zero_gradient_floor(name, q, k, v, go, scale=None) -> float:
     """The floor of a gradient whose exact value is 0: dQ and dK (`name`
-    "dq" or "dk") of a sequence whose every query sees one key (softmax 1,
-    so dP - delta cancels exactly). The kernels compute dP = dO . V and
-    delta = dO . O as fp32 dot products, each rounding within eps times the
-    sum of its terms' magnitudes, sum_d |dO_d V_d|; the difference is scaled
-    by `scale` and the other operand (K for dQ, Q for dK). The floor is four
-    fp32 ulps at scale * max sum_d |dO_d V_d| * max|K| (dQ) or max|Q| (dK):
-    PyTorch's fused CPU kernel stays within half of one (test_fuzz_rules.py),
-    and a delta 1% off lies 100 times above it. Where the tensor's relative
-    error is undefined and its own largest entry is 0, that is what a
-    correct kernel can give. q and go are (s_q, heads, head_dim), k and v
-    (s_k, kv_heads, head_dim)."""
+    "dq" or "dk") where every query sees key 0 alone (one key, or one query
+    under is_causal): softmax 1, so dP - delta cancels exactly. The kernels
+    compute dP = dO . V and delta = dO . O as fp32 dot products, each
+    rounding within eps times the sum of its terms' magnitudes,
+    t_i = sum_d |dO_id V_0d|; the difference is scaled by `scale` and the
+    other operand: K_0 for dQ_i; for dK_0, the sum over every query and
+    query head of its group of t_i |Q_i|. The floor is four fp32 ulps at
+    scale * max_i t_i * max|K_0| (dQ) or scale * max over key heads of
+    sum_i t_i max|Q_i| (dK). PyTorch's fused CPU kernel stays within one
+    (test_fuzz_rules.py), and a delta 1% off lies 100 times above it. Where
+    the tensor's relative error is undefined and its own largest entry is 0,
+    that is what a correct kernel can give. q and go are (s_q, heads,
+    head_dim), k and v (s_k, kv_heads, head_dim); keys past the first are
+    seen by no query and left out."""
     if q.numel() == 0 or k.numel() == 0:
         return 0.0
-    rep = q.shape[1] // k.shape[1]
+    q, go = q.detach().double(), go.detach().double()
+    k, v = k[:1].detach().double(), v[:1].detach().double()
+    kv_heads, rep = k.shape[1], q.shape[1] // k.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    terms = torch.einsum("qhd,khd->hqk", go.double().abs(),
-                         v.double().abs().repeat_interleave(rep, 1))
-    other = {"dq": k, "dk": q}[name]
-    size = scale * float(terms.max()) * float(other.abs().max())
+    # t[h, i] = sum_d |dO_{i,h,d} V_{0,h/rep,d}|
+    t = torch.einsum("qhd,hd->hq", go.abs(), v[0].abs().repeat_interleave(rep, 0))
+    if name == "dq":
+        size = scale * float(t.max()) * float(k.abs().max())
+    else:
+        per_head = t * q.abs().amax(-1).transpose(0, 1)  # [heads, s_q]
+        size = scale * float(per_head.reshape(kv_heads, -1).sum(-1).max())
     return 4 * ulp_at_max(torch.tensor(size), torch.float32)
 
 

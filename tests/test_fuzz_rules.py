@@ -80,36 +80,52 @@ def test_within_key_padded(err, key_padded, floor, expected):
     assert within_key_padded(err, key_padded, floor) is expected
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(1, 1, 64), (2, 1, 192), (4, 2, 256)])
-@pytest.mark.parametrize("size_q", [1.0, 10.0])
-def test_zero_gradient_floor_holds_fp32_rounding_and_no_real_error(heads, kv_heads, head_dim,
-                                                                   size_q):
-    # One causal query sees key 0 alone: its exact dQ and dK are 0. fp32
-    # arithmetic leaves rounding noise there, which the floor must hold; the
-    # error of a delta (dO . O) 1% off must lie far above it.
-    g = torch.Generator().manual_seed(head_dim)
-    q, go = (size_q * torch.randn(1, heads, head_dim, generator=g) for _ in range(2))
-    k, v = (torch.randn(1, kv_heads, head_dim, generator=g) for _ in range(2))
-    rep = heads // kv_heads
-    floors = {n: zero_gradient_floor(n, q, k, v, go) for n in ("dq", "dk")}
+def zero_key_noise(q, k, v, go, is_causal):
+    """PyTorch's fused CPU kernel's dQ and dK where every query sees key 0
+    alone (their exact value 0), with the head_dim's summation order permuted
+    eight times: the largest magnitude of each."""
+    g = torch.Generator().manual_seed(q.shape[0])
+    rep = q.shape[1] // k.shape[1]
+    heads_first = lambda t: t.transpose(0, 1)[None]  # noqa: E731
     noise = {"dq": 0.0, "dk": 0.0}
-    for _ in range(8):  # summation orders: the dot products permuted
-        idx = torch.randperm(head_dim, generator=g)
+    for _ in range(8):
+        idx = torch.randperm(q.shape[-1], generator=g)
         qs, ks, vs = (t[..., idx].clone().requires_grad_() for t in (q, k, v))
-        heads_first = lambda t: t.transpose(0, 1)[None]  # noqa: E731
         out = F.scaled_dot_product_attention(
             heads_first(qs), heads_first(ks).repeat_interleave(rep, 1),
-            heads_first(vs).repeat_interleave(rep, 1), is_causal=True)
+            heads_first(vs).repeat_interleave(rep, 1), is_causal=is_causal)
         grads = torch.autograd.grad(out, (qs, ks), heads_first(go[..., idx]))
         for n, grad in zip(("dq", "dk"), grads):
             noise[n] = max(noise[n], float(grad.abs().max()))
-    assert noise["dq"] <= floors["dq"] and noise["dk"] <= floors["dk"]
-    # dQ with delta 1% off: scale * P * (dP - 1.01 dP) * K.
-    dp = (go * v.repeat_interleave(rep, 1)).sum(-1, keepdim=True)
-    wrong_dq = head_dim ** -0.5 * 0.01 * dp * k.repeat_interleave(rep, 1)
+    return noise
+
+
+@pytest.mark.parametrize("s_q, s_k, heads, kv_heads, head_dim, is_causal", [
+    (1, 1, 1, 1, 64, True), (1, 1, 2, 1, 192, True), (1, 1, 4, 2, 256, True),
+    # one causal query among many keys: keys past the first count for nothing
+    (1, 300, 4, 1, 128, True),
+    # one key under many queries and query heads: dK sums all their noise
+    (512, 1, 4, 1, 128, False), (1024, 1, 8, 2, 256, False)])
+@pytest.mark.parametrize("size_q", [1.0, 10.0])
+def test_zero_gradient_floor_holds_fp32_rounding_and_no_real_error(s_q, s_k, heads, kv_heads,
+                                                                   head_dim, is_causal, size_q):
+    # The exact dQ and dK are 0. fp32 arithmetic leaves rounding noise there,
+    # which the floor must hold; the error of a delta (dO . O) 1% off must lie
+    # far above it.
+    g = torch.Generator().manual_seed(head_dim + s_q)
+    q, go = (size_q * torch.randn(s_q, heads, head_dim, generator=g) for _ in range(2))
+    k, v = (torch.randn(s_k, kv_heads, head_dim, generator=g) for _ in range(2))
+    floors = {n: zero_gradient_floor(n, q, k, v, go) for n in ("dq", "dk")}
+    noise = zero_key_noise(q, k, v, go, is_causal)
+    assert noise["dq"] <= floors["dq"] and noise["dk"] <= floors["dk"], (noise, floors)
+    # dQ with delta 1% off: scale * P * (dP - 1.01 dP) * K_0.
+    rep = heads // kv_heads
+    dp = (go * v[:1].repeat_interleave(rep, 1)).sum(-1, keepdim=True)
+    wrong_dq = head_dim ** -0.5 * 0.01 * dp * k[:1].repeat_interleave(rep, 1)
     assert float(wrong_dq.abs().max()) > 100 * floors["dq"]
 
 
 def test_zero_gradient_floor_of_an_empty_sequence_is_zero():
-    assert zero_gradient_floor("dq", torch.empty(0, 2, 64), torch.empty(0, 1, 64),
-                               torch.empty(0, 1, 64), torch.empty(0, 2, 64)) == 0.0
+    for name in ("dq", "dk"):
+        assert zero_gradient_floor(name, torch.empty(0, 2, 64), torch.empty(0, 1, 64),
+                                   torch.empty(0, 1, 64), torch.empty(0, 2, 64)) == 0.0

@@ -9,8 +9,10 @@ F.sdpa on each sequence alone in float64, the same errors of stock F.sdpa on
 the padded batch (efficient attention, and cuDNN with its NaN counted), and
 the time of one forward+backward. Through ATen's own ragged call it found
 that layout wrong on cuDNN 9.19 (pytorch #186142); on the frontend's graphs
-(csrc/cudnn_frontend/ragged_engine.h) it admits the engine there, and the
-guard row `ragged_unmeasured` keeps every other version off. The
+(csrc/cudnn_frontend/ragged_engine.h) it admits the engine there, the
+guard row `ragged_unmeasured` keeps every other version off, and
+`ragged_adversarial_dq_9.19` keeps 9.19.0's default to head_dim 64, 128 and
+256 (the varlen fuzz's finding at 192). The
 leaf runs outside the op's decision: FlashAttention-2's causal cells with
 s_q != s_k show its bottom-right alignment, which sdpa_varlen never uses
 (those calls take the block-diagonal fallback).

@@ -567,6 +567,8 @@ def main() -> int:
         raise SystemExit(f"batch {cfg.batch} does not split over {world} ranks")
     if args.device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", rank))
+        if torch.cuda.device_count() == 0:
+            raise SystemExit("--device cuda: no CUDA GPU is visible (--device cpu runs on gloo)")
         if local >= torch.cuda.device_count() and backend == "nccl":
             raise SystemExit(f"rank {local} has no GPU of its own ({torch.cuda.device_count()} "
                              "visible) and NCCL refuses shared GPUs: pass --backend gloo")

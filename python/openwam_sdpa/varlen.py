@@ -71,7 +71,8 @@ def varlen_sdpa(
     The engine is chosen per call (explain_varlen() says which). On CUDA, for
     fp16/bf16: cuDNN's ragged layout on the op's own graphs (Hopper, head_dim
     a multiple of 16 up to 256) where the guard table lets it run (the cuDNN
-    this project measured), else ATen's FlashAttention-2 varlen (head_dim a
+    this project measured, at head_dim 64, 128 and 256 unless FlashAttention-2
+    cannot serve), else ATen's FlashAttention-2 varlen (head_dim a
     multiple of 8 up to 256); otherwise openwam_sdpa.sdpa over the packed
     batch with a block-diagonal mask (O(total_q * total_k) memory). On the
     CPU an exact per-sequence reference; dropout_p > 0 raises there.

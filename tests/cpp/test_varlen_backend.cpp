@@ -10,6 +10,7 @@
 #include "varlen_backend.h"
 #include "support.h"
 
+using openwam::GuardRule;
 using openwam::VarlenBackend;
 using openwam::VarlenCall;
 using openwam::VarlenDecision;
@@ -112,9 +113,15 @@ TEST_CASE("varlen: on 9.19.0 the ragged layout keeps to head_dim 64, 128 and 256
     CHECK(d.backend == VarlenBackend::kFlash);
     CHECK(rule_name(d) == "ragged_adversarial_dq_9.19");
     CHECK_FALSE(d.rule_overridden);
-    // Without FlashAttention-2: the block-diagonal fallback, not the ragged layout.
-    CHECK(p.decide(VarlenPreference::kAuto, cuda_stack(/*flash=*/false)).backend ==
-          VarlenBackend::kBlockDiagonal);
+    // Where FlashAttention-2 cannot serve, the row is about rounding: the
+    // ragged layout rather than the fallback's total_q x total_k memory.
+    const VarlenDecision no_flash = p.decide(VarlenPreference::kAuto, cuda_stack(false));
+    CHECK(no_flash.backend == VarlenBackend::kCudnnRagged);
+    CHECK(rule_name(no_flash) == "ragged_adversarial_dq_9.19");
+    CHECK_FALSE(no_flash.rule_overridden);
+    Packed distinct_cu(at::kBFloat16, e, -1, /*one_cu=*/false);  // causal: FA2 would align
+    CHECK(distinct_cu.decide(VarlenPreference::kAuto, cuda_stack()).backend ==
+          VarlenBackend::kCudnnRagged);
     // OPENWAM_SDPA_VARLEN=cudnn overrides the row.
     const VarlenDecision asked = p.decide(VarlenPreference::kCudnn, cuda_stack());
     CHECK(asked.backend == VarlenBackend::kCudnnRagged);
@@ -125,6 +132,15 @@ TEST_CASE("varlen: on 9.19.0 the ragged layout keeps to head_dim 64, 128 and 256
     const VarlenDecision d = Packed(at::kHalf, e).decide(VarlenPreference::kAuto, cuda_stack());
     CHECK(d.backend == VarlenBackend::kCudnnRagged);
     CHECK(d.rule == nullptr);
+  }
+  // A row that is not about rounding holds: on an unmeasured cuDNN a call
+  // FlashAttention-2 cannot take goes to the fallback.
+  const VarlenStack unmeasured = cuda_stack(false, nullptr, openwam::cudnn_version(9, 20, 0));
+  CHECK(Packed(at::kBFloat16, 192).decide(VarlenPreference::kAuto, unmeasured).backend ==
+        VarlenBackend::kBlockDiagonal);
+  for (const GuardRule& r : openwam::guard_rules()) {
+    CAPTURE(r.name);
+    CHECK(r.rounding_only == (std::string(r.name) == "ragged_adversarial_dq_9.19"));
   }
 }
 

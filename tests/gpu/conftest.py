@@ -173,7 +173,8 @@ def _padded_keys(fn):
     """F.sdpa on keys zero-padded to a multiple of 128 and hidden by the
     mask (False / -inf) or by is_causal's diagonal: the same attention,
     computed by stock cuDNN without the key-tail defect (no non-finite
-    element in any case measured on the H200 with cuDNN 9.19.0).
+    element in any masked case measured on the H200 with cuDNN 9.19.0;
+    is_causal never showed the defect).
     Differentiable; the padded keys' gradients are dropped by F.pad's
     backward."""
 

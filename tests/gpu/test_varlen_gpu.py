@@ -163,6 +163,27 @@ def test_sequence_with_one_side_empty(lens_q, lens_k, rows, zero, engine, engine
             2 * max_err(getattr(stock, n), r) + floor_for(r, DTYPE), n
 
 
+def test_head_dims_the_fuzz_did_not_pass_leave_the_ragged_engine(engine_setting):
+    """Guard row ragged_adversarial_dq_9.19: on 9.19.0 the ragged engine is
+    the default at head_dim 64, 128 and 256 only (at 192 the varlen fuzz found
+    an adversarial row's dQ 5.4x stock's); OPENWAM_SDPA_VARLEN=cudnn still
+    selects it, and where FlashAttention-2 cannot serve it stays."""
+    p = sweep.packed_adversarial([34, 85], None, D=192, low="none")
+    args = (p.q, p.k, p.v, p.cu_q, p.cu_k, p.max_q, p.max_k)
+    e = openwam_sdpa.explain_varlen(*args, is_causal=True)
+    if cudnn_version() != 91900:
+        assert e["rule"] == "ragged_unmeasured", e
+        return
+    assert e["backend"] == "flash_varlen" and e["rule"] == "ragged_adversarial_dq_9.19", e
+    distinct = openwam_sdpa.explain_varlen(p.q, p.k, p.v, p.cu_q, p.cu_k.clone(), p.max_q,
+                                           p.max_k, is_causal=True)
+    assert distinct["backend"] == "cudnn_ragged", distinct  # not the O(total^2) fallback
+    engine_setting("cudnn")
+    e = openwam_sdpa.explain_varlen(*args, is_causal=True)
+    assert e["backend"] == "cudnn_ragged", e
+    assert e["rule"] == "ragged_adversarial_dq_9.19 (overridden by OPENWAM_SDPA_VARLEN=cudnn)"
+
+
 def test_empty_sequences_flash(engine_setting):
     """Sequences of length 0 in cu_seqlens (repeated offsets): FlashAttention-2
     skips them; the rest is exact to bf16."""
