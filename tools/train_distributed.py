@@ -474,6 +474,8 @@ def stack_facts(cfg, device, world, backend) -> dict:
 
 def markdown(facts, results, cp) -> str:
     cfg = facts["config"]
+    shared = (f" sharing {facts['gpus']} GPU(s)" if 0 < facts["gpus"] < facts["ranks"]
+              else "")
     lines = [
         "# openwam_sdpa under DDP, FSDP2 and tensor parallelism",
         "",
@@ -481,8 +483,7 @@ def markdown(facts, results, cp) -> str:
         f"{facts.get('cudnn', 'n/a')}; key length {cfg['seq']} (guard table: "
         f"{'affected' if facts.get('affected') else 'not affected'}), head_dim "
         f"{cfg['head_dim']}, bf16, left-padded batch of {cfg['batch']}, "
-        f"{cfg['steps']} SGD steps, {facts['ranks']} ranks over {facts['backend']}"
-        f"{' sharing ' + str(facts['gpus']) + ' GPU(s)' if 0 < facts['gpus'] < facts['ranks'] else ''}.",
+        f"{cfg['steps']} SGD steps, {facts['ranks']} ranks over {facts['backend']}{shared}.",
         "",
         "| mode | attention sees (q; out) | route / plan | non-finite grads "
         "| loss first, last | max rel. diff loss / grad norm | peak MiB per rank | s | verdict |",
