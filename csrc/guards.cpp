@@ -63,8 +63,8 @@ bool ragged_hits(const CallShape& s, long /*version*/) { return s.ragged; }
 // packed cases each, two in three with an adversarial row per sequence). At
 // 192 the engine rounded an adversarial row's dQ (logsumexp about -115) up to
 // 5.4x coarser than stock: 2.77e-2 relative against 5.1e-3 for stock F.sdpa and
-// FlashAttention-2 varlen (34 causal tokens, bf16; seed 1059854563 case 45,
-// H100), 2.72e-2 against 5.7e-3 and 4.5e-3 (85 tokens, not causal; H200).
+// FlashAttention-2 varlen (34 causal tokens, bf16, H100), 2.72e-2 against
+// 5.7e-3 and 4.5e-3 (85 tokens, not causal; H200): docs/varlen.md.
 // 64, 128 and 256 passed every case; the head_dims the fuzz never drew are
 // kept off as well (conservative where unmeasured).
 bool ragged_head_dim_hits(const CallShape& s, long /*version*/) {

@@ -133,6 +133,17 @@ TEST_CASE("varlen: on 9.19.0 the ragged layout keeps to head_dim 64, 128 and 256
     CHECK(d.backend == VarlenBackend::kCudnnRagged);
     CHECK(d.rule == nullptr);
   }
+  // Degenerate packs take the same row: one sequence of one query, and an
+  // empty sequence among others.
+  const auto opts = at::TensorOptions().dtype(at::kBFloat16);
+  const auto cu_opts = at::TensorOptions().dtype(at::kInt);
+  for (const auto& cu : {at::tensor({0, 1}, cu_opts), at::tensor({0, 0, 1}, cu_opts)}) {
+    const at::Tensor q = at::zeros({1, 2, 192}, opts), kv = at::zeros({1, 1, 192}, opts);
+    const VarlenCall one{q, kv, kv, cu, cu, 1, 1, true, std::nullopt, 0.0, true};
+    const VarlenDecision d = openwam::decide_varlen(one, VarlenPreference::kAuto, cuda_stack());
+    CHECK(d.backend == VarlenBackend::kFlash);
+    CHECK(rule_name(d) == "ragged_adversarial_dq_9.19");
+  }
   // A row that is not about rounding holds: on an unmeasured cuDNN a call
   // FlashAttention-2 cannot take goes to the fallback.
   const VarlenStack unmeasured = cuda_stack(false, nullptr, openwam::cudnn_version(9, 20, 0));

@@ -55,7 +55,7 @@ the same tensor over the whole pack (the packed gradient the user holds), or
 where that is 0 too (a pack of such sequences) at the accumulator's rounding
 of the terms that cancel (support.zero_gradient_floor: on one causal query
 over two heads sharing one key, head_dim 192, bf16, stock gave 2.5e-7 and the
-ragged engine 5.0e-7 there; seed 1059854563 case 123, H100, cuDNN 9.19.0).
+ragged engine 5.0e-7 there; H100, cuDNN 9.19.0, docs/varlen.md).
 
 OPENWAM_VARLEN_FUZZ_CASE (a comma-separated list of case numbers, in every
 failure message) checks only those cases of the seed's draw.
