@@ -359,6 +359,14 @@ def floor_for(ref: torch.Tensor, dtype: torch.dtype) -> float:
     return ulp_at_max(ref, dtype) / 4
 
 
+def replayed_cases(env_var: str, cases: int) -> tuple[set, int]:
+    """A fuzz's replay: the case numbers listed in `env_var` (comma-separated;
+    empty: every case) and how many cases to draw so that each listed one is
+    drawn, past `cases` too."""
+    only = {int(x) for x in os.environ.get(env_var, "").split(",") if x.strip()}
+    return only, max(cases, max(only, default=-1) + 1)
+
+
 def zero_gradient_floor(name, q, k, v, go, scale=None) -> float:
     """The floor of a gradient whose exact value is 0: dQ and dK (`name`
     "dq" or "dk") where every query sees key 0 alone (one key, or one query

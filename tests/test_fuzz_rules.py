@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from support import contract_clause, packed_yardstick, within_key_padded, zero_gradient_floor
+from support import (contract_clause, packed_yardstick, replayed_cases, within_key_padded,
+                     zero_gradient_floor)
 
 NAN, INF = math.nan, math.inf
 
@@ -129,3 +130,12 @@ def test_zero_gradient_floor_of_an_empty_sequence_is_zero():
     for name in ("dq", "dk"):
         assert zero_gradient_floor(name, torch.empty(0, 2, 64), torch.empty(0, 1, 64),
                                    torch.empty(0, 1, 64), torch.empty(0, 2, 64)) == 0.0
+
+
+def test_replayed_cases(monkeypatch):
+    monkeypatch.delenv("OPENWAM_TEST_CASE", raising=False)
+    assert replayed_cases("OPENWAM_TEST_CASE", 500) == (set(), 500)
+    monkeypatch.setenv("OPENWAM_TEST_CASE", "45, 123,")
+    assert replayed_cases("OPENWAM_TEST_CASE", 500) == ({45, 123}, 500)
+    # a case past the count is still drawn
+    assert replayed_cases("OPENWAM_TEST_CASE", 100) == ({45, 123}, 124)

@@ -55,16 +55,15 @@ import torch.nn.functional as F
 
 import openwam_sdpa
 from openwam_sdpa.adversarial import adversarial_inputs, as_layout, left_padding_mask
-from support import (Attn, contract_clause, dropout_bias, floor_for, max_err, nonfinite, run,
-                     zero_gradient_floor)
+from support import (Attn, contract_clause, dropout_bias, floor_for, max_err, nonfinite,
+                     replayed_cases, run, zero_gradient_floor)
 from .conftest import GPU_MARKS, SDPBackend, run_stock, stock_cudnn_padded
 
 pytestmark = GPU_MARKS
 
 CASES = int(os.environ.get("OPENWAM_FUZZ_CASES", "1000"))
 SEED = int(os.environ.get("OPENWAM_FUZZ_SEED", str(time.time_ns() % 2**31)))
-ONLY = {int(x) for x in os.environ.get("OPENWAM_FUZZ_CASE", "").split(",") if x.strip()}
-CASES = max(CASES, max(ONLY, default=-1) + 1)  # a replayed case past CASES is still drawn
+ONLY, CASES = replayed_cases("OPENWAM_FUZZ_CASE", CASES)
 # Elements of a case's attention matrix (B * H * s_q * s_kv), at most.
 MAX_SCORES = 1 << 22
 DTYPES = (torch.bfloat16, torch.float16)

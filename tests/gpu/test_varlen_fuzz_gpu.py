@@ -73,8 +73,8 @@ import time
 import torch
 
 import openwam_sdpa
-from support import (dropout_bias, load_tool, packed_yardstick, twice_stock_problem,
-                     within_key_padded, zero_gradient_floor)
+from support import (dropout_bias, load_tool, packed_yardstick, replayed_cases,
+                     twice_stock_problem, within_key_padded, zero_gradient_floor)
 
 from .conftest import GPU_MARKS, LOW_ROW_FLOOR, SDPBackend, floor_for, stock_cudnn_padded
 
@@ -83,8 +83,7 @@ pytestmark = GPU_MARKS
 sweep = load_tool("sweep_varlen_ragged.py")
 CASES = int(os.environ.get("OPENWAM_VARLEN_FUZZ_CASES", "500"))
 SEED = int(os.environ.get("OPENWAM_VARLEN_FUZZ_SEED", str(time.time_ns() % 2**31)))
-ONLY = {int(x) for x in os.environ.get("OPENWAM_VARLEN_FUZZ_CASE", "").split(",") if x.strip()}
-CASES = max(CASES, max(ONLY, default=-1) + 1)  # a replayed case past CASES is still drawn
+ONLY, CASES = replayed_cases("OPENWAM_VARLEN_FUZZ_CASE", CASES)
 STOCK = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)
 
 
