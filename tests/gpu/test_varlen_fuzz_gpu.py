@@ -233,11 +233,14 @@ def check(i: int, c: dict, backends: dict, worst: dict, admitted: set,
             best = min([e for e in errs.values() if math.isfinite(e)], default=math.inf)
             if floor < best < math.inf:
                 worst[n] = max(worst.get(n, 0.0), err / best)
+            # (case, sequence, tensor, head_dim, error, best of three, floor)
             if best < math.inf and twice_stock_problem(n, err, best, floor):
-                outside_best.append((i, b, n))
-            if best < math.inf and varlen and twice_stock_problem(
-                    n, sweep.max_err(getattr(varlen, n), r, skip), best, floor):
-                fa2_outside_best.append((i, b, n))
+                outside_best.append((i, b, n, c["D"], f"{err:.2e}", f"{best:.2e}",
+                                     f"{floor:.1e}"))
+            fa2_err = sweep.max_err(getattr(varlen, n), r, skip) if varlen else math.inf
+            if best < math.inf and varlen and twice_stock_problem(n, fa2_err, best, floor):
+                fa2_outside_best.append((i, b, n, c["D"], f"{fa2_err:.2e}", f"{best:.2e}",
+                                         f"{floor:.1e}"))
             problem = twice_stock_problem(f"{n} of sequence {b}", err, yard, floor)
             if problem:
                 return f"{where}: {problem}"
