@@ -406,7 +406,7 @@ Tensors3 backward_with_plan(const at::Tensor& grad_out, const at::Tensor& query,
     // backward runs (reference_attention.h says why). With dropout the
     // engine must replay its own pattern: the query grows instead.
     return finish_backward(
-        single_row_backward(go_dense, query, key, value, logsumexp, bias, is_causal, scale),
+        single_row_backward(go_dense, query, key, value, bias, is_causal, scale),
         query, key, logsumexp, plan);
   }
   if (plan.pad_keys_backward && dropout_p == 0.0) {

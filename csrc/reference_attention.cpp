@@ -84,8 +84,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reference_backward(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> single_row_backward(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
-    const at::Tensor& value, const at::Tensor& logsumexp,
-    const at::Tensor& bias, bool is_causal, std::optional<double> scale) {
+    const at::Tensor& value, const at::Tensor& bias, bool is_causal,
+    std::optional<double> scale) {
   TORCH_INTERNAL_ASSERT(query.dim() == 4 && query.size(2) == 1,
                         "single_row_backward takes one query row");
   const int64_t batch = query.size(0), heads = query.size(1), kv_heads = key.size(1);
@@ -114,7 +114,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> single_row_backward(
                                     -std::numeric_limits<double>::infinity())},
                      -1);
   }
-  const at::Tensor lse = logsumexp.to(at::kFloat).reshape({batch, kv_heads, group, 1});
+  // The row's logsumexp from these scores, not the forward's: cuDNN computes
+  // its fp32 scores in another order, and on an adversarial row (logits near
+  // -110, where an fp32 ulp is 7.6e-6) a few ulps between the two put P's sum
+  // that far off 1. Where the row sees one key (causal, one query) dQ and dK
+  // are 0 exactly, and that offset was all of them: 235x stock's dQ error in
+  // the GPU fuzz (H100, cuDNN 9.19.0, fp16, head_dim 64, 1,856 keys). From
+  // these scores P sums to 1 within fp32 rounding, and is 1 on a single key.
+  const at::Tensor lse = at::logsumexp(scores, -1, /*keepdim=*/true);
   // A row that sees no key (logsumexp -inf) has zero gradients.
   const at::Tensor probs =
       at::where(lse.isneginf(), at::zeros({}, scores.options()), at::exp(scores - lse));
