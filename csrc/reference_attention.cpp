@@ -114,17 +114,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> single_row_backward(
                                     -std::numeric_limits<double>::infinity())},
                      -1);
   }
-  // The row's logsumexp from these scores, not the forward's: cuDNN computes
-  // its fp32 scores in another order, and on an adversarial row (logits near
-  // -110, where an fp32 ulp is 7.6e-6) a few ulps between the two put P's sum
-  // that far off 1. Where the row sees one key (causal, one query) dQ and dK
-  // are 0 exactly, and that offset was all of them: 235x stock's dQ error in
-  // the GPU fuzz (H100, cuDNN 9.19.0, fp16, head_dim 64, 1,856 keys). From
-  // these scores P sums to 1 within fp32 rounding, and is 1 on a single key.
-  const at::Tensor lse = at::logsumexp(scores, -1, /*keepdim=*/true);
-  // A row that sees no key (logsumexp -inf) has zero gradients.
+  // P as a softmax of these scores (exp(s - max) / sum), not exp(s - lse)
+  // with the forward's logsumexp: cuDNN computes its fp32 scores in another
+  // order, and on an adversarial row (logits near -110, where an fp32 ulp is
+  // 7.6e-6) a few ulps between the two put P's sum that far off 1. Where the
+  // row sees one key (causal, one query) dQ and dK are 0 exactly, and that
+  // offset was all of them: 235x stock's dQ error in the GPU fuzz (H100,
+  // cuDNN 9.19.0, fp16, head_dim 64, 1,856 keys). A softmax sums to 1 within
+  // fp32 rounding of 1, not of |lse|, and is 1 exactly on a single key.
+  // A row that sees no key has zero gradients.
+  const at::Tensor unseen = at::logsumexp(scores, -1, /*keepdim=*/true).isneginf();
   const at::Tensor probs =
-      at::where(lse.isneginf(), at::zeros({}, scores.options()), at::exp(scores - lse));
+      at::where(unseen, at::zeros({}, scores.options()), at::softmax(scores, -1));
   // delta = dO . O, taken as sum_j P_j dP_j: the same number, but from the
   // fp32 probabilities rather than the output rounded to the inputs' dtype.
   // That rounding cancels into dQ where one key component dominates: 2.45x

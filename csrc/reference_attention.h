@@ -35,7 +35,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reference_backward(
 // the group in the product. The row's delta (dO . O) is sum_j P_j dP_j in
 // fp32, not read from the output rounded to the inputs' dtype, so dQ lies
 // within its own final rounding. Its products are IEEE fp32 even where the
-// user allows TF32. Its softmax is recomputed from the scores, not read
+// user allows TF32. Its softmax is recomputed from the scores, not taken
 // from the forward's logsumexp (reference_attention.cpp says why). No
 // dropout. query [B, H, 1, E]; key/value [B, H_kv, S, E|Ev]; bias
 // broadcastable to [B, H, 1, S] or undefined.
