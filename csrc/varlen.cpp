@@ -192,6 +192,29 @@ bool offsets_on_host(const VarlenCall& c) {
          !c.max_seqlen_q.is_symbolic() && !c.max_seqlen_k.is_symbolic();
 }
 
+// Under a tracer on the CPU (torch.compile of a block-diagonal call): the
+// checks of check_varlen_lengths as asserts the compiled graph runs, as the
+// offsets have no values yet. aten::_assert_async raises RuntimeError on the
+// CPU; its message cannot carry the offending values, so it says where to find
+// them. Not on CUDA: there a failed assert is a device-side abort.
+void assert_varlen_lengths(const VarlenCall& c) {
+  const auto lengths = [](const char* name, const at::Tensor& cu, const c10::SymInt& total,
+                          const c10::SymInt& max_len) {
+    const std::string where = std::string("openwam::sdpa_varlen: ") + name;
+    const std::string replay = " (checked in the compiled graph; an eager call names the values)";
+    const at::Tensor offsets = cu.to(at::kLong);
+    const at::Tensor steps = offsets.diff();
+    at::_assert_async(offsets.select(0, 0).eq(0), where + "[0] must be 0" + replay);
+    at::_assert_async(steps.ge(0).all(), where + " must not decrease" + replay);
+    at::_assert_async(steps.le(c10::Scalar(max_len)).all(),
+                      where + ": a sequence has more tokens than the max_seqlen given" + replay);
+    at::_assert_async(offsets.select(0, -1).eq(c10::Scalar(total)),
+                      where + "[-1] must be the total length" + replay);
+  };
+  lengths("cu_seqlens_q", c.cu_seqlens_q, c.query.sym_size(0), c.max_seqlen_q);
+  lengths("cu_seqlens_k", c.cu_seqlens_k, c.key.sym_size(0), c.max_seqlen_k);
+}
+
 at::Tensor sdpa_varlen(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                        const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                        c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k, bool is_causal,
@@ -210,6 +233,8 @@ at::Tensor sdpa_varlen(const at::Tensor& query, const at::Tensor& key, const at:
       // sync; under a tracer they have no values.
       check_varlen_lengths(cu_seqlens_q, cu_seqlens_k, query.size(0), key.size(0),
                            max_seqlen_q.expect_int(), max_seqlen_k.expect_int());
+    } else if (cu_seqlens_q.device().is_cpu()) {
+      assert_varlen_lengths(call);
     }
     return block_diagonal(call);
   }

@@ -288,6 +288,39 @@ def test_the_block_diagonal_engine_checks_cpu_offsets(monkeypatch, name):
         openwam_sdpa.varlen_settings(reload=True)
 
 
+@pytest.mark.parametrize("name,message", [
+    ("last_not_total", r"cu_seqlens_q\[-1\] must be the total length"),
+    ("first_not_zero", r"cu_seqlens_k\[0\] must be 0"),
+    ("decreasing", "cu_seqlens_q must not decrease"),
+    ("max_too_small", "more tokens than the max_seqlen given"),
+])
+def test_the_compiled_block_diagonal_engine_checks_cpu_offsets(monkeypatch, name, message):
+    """Under torch.compile the offsets have no values when the op is traced,
+    so the block-diagonal engine on the CPU puts its checks into the graph
+    (they had run bad offsets into a finite, wrong answer)."""
+    monkeypatch.setenv("OPENWAM_SDPA_VARLEN", "block_diagonal")
+    openwam_sdpa.varlen_settings(reload=True)
+    try:
+        q, k, v, cu_q, cu_k, max_q, max_k = packed([4, 2], requires_grad=False)
+        good = dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k)
+        bad = dict(good, dropout_p=0.0)
+        ERRORS[name][0](bad)
+        torch._dynamo.reset()
+        compiled = torch.compile(
+            lambda q, k, v, cu_q, cu_k, max_q, max_k: openwam_sdpa.varlen_sdpa(
+                q, k, v, cu_q, cu_k, max_q, max_k),
+            backend="aot_eager", fullgraph=True)
+        args = lambda a: [a[n] for n in ("q", "k", "v", "cu_q", "cu_k", "max_q", "max_k")]
+        # The graph of good offsets runs them, and equals the eager call.
+        torch.testing.assert_close(compiled(*args(good)), openwam_sdpa.varlen_sdpa(*args(good)))
+        with pytest.raises(RuntimeError, match=message):
+            compiled(*args(bad))
+    finally:
+        monkeypatch.delenv("OPENWAM_SDPA_VARLEN")
+        openwam_sdpa.varlen_settings(reload=True)
+        torch._dynamo.reset()
+
+
 def test_a_query_without_heads_raises():
     """0 query heads passed enable_gqa's divisibility check (0 % 2 == 0), and
     the CPU reference divided by them: the process died of SIGFPE (found in
