@@ -27,6 +27,8 @@ token of every sequence has no label, as DataCollatorWithFlattening gives it):
   padded-no-cudnn  "sdpa" with cuDNN excluded (sdpa_kernel inside the call) on the padded batch:
                    what users pick today to avoid cuDNN's NaN
 plus padded-openwam again (the A/A control). A step is forward, backward and a fused AdamW step.
+A contender that runs out of GPU memory (the random batch padded needs 84 GB) sits out that
+scenario, its cells saying so; the A/A control is then the first contender that ran.
 
 Paired rounds (timing.paired_rounds, the order rotating and reversing): in each, every contender runs one
 untimed step, then --wall-steps steps timed one by one, synchronised before and after each
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -200,6 +203,29 @@ class Contender:
     step: Callable = None
 
 
+def set_up(ow, c, entry, args, packed):
+    """Contender c's first step (its loss, non-finite gradients, openwam op calls and varlen
+    engine into entry["first_step"]), its warm-up, and its peak memory; sets c.step."""
+    c.step, first_step, losses = trainer(c.model, c.batch, lr=1e-5)
+    counts = {}
+    with c.context(), torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        bad = first_step()
+        seconds = time.perf_counter() - t0
+        engine = varlen_engine_of(ow, c.batch, args.size) if packed else None
+    for e in prof.key_averages():
+        if e.key in ("openwam::sdpa_varlen", "openwam::sdpa"):
+            counts[e.key] = e.count
+    entry["first_step"][c.name] = {"nonfinite_grads": bad, "loss": float(losses[-1]),
+                                   "seconds": round(seconds, 2), "op_calls": counts,
+                                   "varlen_engine": engine}
+    with c.context():
+        for _ in range(args.warmup - 1):
+            c.step()
+        entry["peak_mib"][c.name] = timing.peak_mib(c.step)
+
+
 def run_scenario(ow, models, init, scenario, tokens, device, args):
     dist = TINY_LOGNORMAL if args.size == "tiny" else LOGNORMAL
     lengths = draw_lengths(scenario, tokens, dist, seed=tokens)
@@ -218,28 +244,25 @@ def run_scenario(ow, models, init, scenario, tokens, device, args):
                                 packed_positions),
                       Contender("padded-no-cudnn", contextlib.nullcontext, models[NO_CUDNN],
                                 padded)]
+        ran = []
         for c in contenders:
             c.model.load_state_dict(init)
-            c.step, first_step, losses = trainer(c.model, c.batch, lr=1e-5)
-            counts = {}
-            with c.context(), torch.profiler.profile(
-                    activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                t0 = time.perf_counter()
-                bad = first_step()
-                seconds = time.perf_counter() - t0
-                engine = varlen_engine_of(ow, c.batch, args.size) \
-                    if c.batch is packed_kwargs else None
-            for e in prof.key_averages():
-                if e.key in ("openwam::sdpa_varlen", "openwam::sdpa"):
-                    counts[e.key] = e.count
-            entry["first_step"][c.name] = {"nonfinite_grads": bad, "loss": float(losses[-1]),
-                                           "seconds": round(seconds, 2), "op_calls": counts,
-                                           "varlen_engine": engine}
-            with c.context():
-                for _ in range(args.warmup - 1):
-                    c.step()
-                entry["peak_mib"][c.name] = timing.peak_mib(c.step)
-        everyone = contenders + [timing.again(contenders[0])]
+            try:
+                set_up(ow, c, entry, args, packed=c.batch is packed_kwargs)
+                ran.append(c)
+            except torch.OutOfMemoryError:
+                # A padded contender of a long batch can need more than the card has (the
+                # random batch's: 84 GB). The others still run; its cells say so.
+                entry.setdefault("out_of_memory", []).append(c.name)
+                c.step = None
+            if c.step is None:  # after the except block, which held the failed step's frames
+                gc.collect()
+                torch.cuda.empty_cache()
+        if not any(c.name == VARLEN for c in ran):
+            raise RuntimeError(f"{VARLEN} itself ran out of memory")
+        # The A/A control: the first contender that ran (padded-openwam where it fits).
+        entry["aa_of"] = ran[0].name
+        everyone = ran + [timing.again(ran[0])]
         with timing.frozen_heap():
             runs = timing.paired_rounds(everyone, lambda c: wall_figure(c.step, args.wall_steps),
                                         args.rounds)
@@ -254,7 +277,7 @@ def run_scenario(ow, models, init, scenario, tokens, device, args):
         # varlen's speed-up over each contender: the ratio of their step times (= tokens/s ratio).
         entry["speedup"] = {n: timing.round_ratios(runs, n, VARLEN, "wall_ms")
                             for n in runs if n != VARLEN}
-        entry["aa"] = timing.round_ratios(runs, f"{BASE}-again", BASE, "wall_ms")
+        entry["aa"] = timing.round_ratios(runs, f"{ran[0].name}-again", ran[0].name, "wall_ms")
     except Exception as e:  # noqa: BLE001 - e.g. out of memory: record and go on
         entry["error"] = f"{type(e).__name__}: {e}"[:600]
     if torch.cuda.is_available():
@@ -296,12 +319,18 @@ def summary_of(e):
     if "error" in e:
         return "ERROR " + e["error"][:200]
     return (f"padding {100 * e['padding_share']:.0f}%, varlen tokens/s over "
-            + ", ".join(f"{n} {report.spread(e['speedup'][n])}" for n in NAMES if n != VARLEN)
-            + f" (A/A {report.spread(e['aa'])})")
+            + ", ".join(f"{n} {cell(e, n, lambda n: report.spread(e['speedup'][n]))}"
+                        for n in NAMES if n != VARLEN)
+            + f" (A/A of {e.get('aa_of', BASE)} {report.spread(e['aa'])})")
+
+
+def cell(e, name, show):
+    """show(name), or "out of memory" for a contender that did not fit the card."""
+    return "out of memory" if name in e.get("out_of_memory", ()) else show(name)
 
 
 def median_of(runs, name, key):
-    values = runs[name].get(key)
+    values = runs.get(name, {}).get(key)
     return None if not values or None in values else timing.percentile(values, 50)
 
 
@@ -321,12 +350,17 @@ def scenario_table(scenarios):
             continue
         row.append(" / ".join(str(e["first_step"][n].get("varlen_engine")) for n in (VARLEN, FLASH)))
         runs = e["runs"]
-        row += [report.num(median_of(runs, n, "tokens_per_s"), "{:.0f}") for n in NAMES]
-        row += [report.spread(e["speedup"][n]) for n in NAMES if n != VARLEN]
-        row += [report.spread(e["aa"]),
-                " / ".join(report.num(e["peak_mib"].get(n), "{:.0f}") for n in NAMES),
-                " / ".join(f"{e['first_step'][n]['loss']:.4f}" for n in NAMES),
-                " / ".join(str(e["first_step"][n]["nonfinite_grads"]) for n in NAMES)]
+        row += [cell(e, n, lambda n: report.num(median_of(runs, n, "tokens_per_s"), "{:.0f}"))
+                for n in NAMES]
+        row += [cell(e, n, lambda n: report.spread(e["speedup"][n])) for n in NAMES if n != VARLEN]
+        aa = report.spread(e["aa"])
+        row += [aa if e.get("aa_of", BASE) == BASE else f"{aa} ({e['aa_of']})",
+                " / ".join(cell(e, n, lambda n: report.num(e["peak_mib"].get(n), "{:.0f}"))
+                           for n in NAMES),
+                " / ".join(cell(e, n, lambda n: f"{e['first_step'][n]['loss']:.4f}")
+                           for n in NAMES),
+                " / ".join(cell(e, n, lambda n: str(e["first_step"][n]["nonfinite_grads"]))
+                           for n in NAMES)]
         rows.append(row)
     return report.md_table(head, rows)
 
@@ -344,7 +378,7 @@ def targets(scenarios):
              ("varlen / padded-openwam >= 1.0 in every round at < 5% padding", BASE, 1.0, "min",
               lambda e: e["padding_share"] < 0.05))
     for text, other, bound, stat, applies in speed:
-        measured = [e for e in scenarios if "speedup" in e and applies(e)]
+        measured = [e for e in scenarios if other in e.get("speedup", {}) and applies(e)]
         vals = [(e["speedup"][other][stat], f"{e['scenario']} {e['tokens']}") for e in measured]
         target = _worst(text, vals, lambda v: v >= bound)
         gpu = [timing.round_ratios(e["runs"], other, VARLEN, "gpu_ms") for e in measured]
