@@ -27,7 +27,7 @@ token of every sequence has no label, as DataCollatorWithFlattening gives it):
   padded-no-cudnn  "sdpa" with cuDNN excluded (sdpa_kernel inside the call) on the padded batch:
                    what users pick today to avoid cuDNN's NaN
 plus padded-openwam again (the A/A control). A step is forward, backward and a fused AdamW step.
-A contender that runs out of GPU memory (the random batch padded needs 84 GB) sits out that
+A contender that runs out of GPU memory (the random batch padded peaks at 82 GiB) sits out that
 scenario, its cells saying so; the A/A control is then the first contender that ran.
 
 Paired rounds (timing.paired_rounds, the order rotating and reversing): in each, every contender runs one
@@ -252,9 +252,11 @@ def run_scenario(ow, models, init, scenario, tokens, device, args):
                 ran.append(c)
             except torch.OutOfMemoryError:
                 # A padded contender of a long batch can need more than the card has (the
-                # random batch's: 84 GB). The others still run; its cells say so.
+                # random batch's peak: 84,017 MiB on an H200). The others still run; its
+                # cells say so.
                 entry.setdefault("out_of_memory", []).append(c.name)
                 c.step = None
+                c.model.zero_grad(set_to_none=True)  # what a partial backward left
             if c.step is None:  # after the except block, which held the failed step's frames
                 gc.collect()
                 torch.cuda.empty_cache()
@@ -348,7 +350,8 @@ def scenario_table(scenarios):
         if "error" in e:
             rows.append(row + [e["error"][:80]] + [report.DASH] * (len(head) - 6))
             continue
-        row.append(" / ".join(str(e["first_step"][n].get("varlen_engine")) for n in (VARLEN, FLASH)))
+        row.append(" / ".join(cell(e, n, lambda n: str(e["first_step"][n].get("varlen_engine")))
+                              for n in (VARLEN, FLASH)))
         runs = e["runs"]
         row += [cell(e, n, lambda n: report.num(median_of(runs, n, "tokens_per_s"), "{:.0f}"))
                 for n in NAMES]

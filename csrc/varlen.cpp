@@ -203,7 +203,10 @@ void assert_varlen_lengths(const VarlenCall& c) {
     const std::string where = std::string("openwam::sdpa_varlen: ") + name;
     const std::string replay = " (checked in the compiled graph; an eager call names the values)";
     const at::Tensor offsets = cu.to(at::kLong);
-    const at::Tensor steps = offsets.diff();
+    // Each offset less the one before, 0 for the first: of the offsets' own length, where
+    // diff()'s n - 1 made a one-sequence batch compile a graph of its own.
+    const at::Tensor first = at::arange(c10::Scalar(offsets.sym_size(0)), offsets.options()).eq(0);
+    const at::Tensor steps = (offsets - offsets.roll(1)).masked_fill(first, 0);
     at::_assert_async(offsets.select(0, 0).eq(0), where + "[0] must be 0" + replay);
     at::_assert_async(steps.ge(0).all(), where + " must not decrease" + replay);
     at::_assert_async(steps.le(c10::Scalar(max_len)).all(),

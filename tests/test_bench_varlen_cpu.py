@@ -29,9 +29,10 @@ def test_varlen_model_benchmark_selftest(tmp_path):
 
 
 def test_a_contender_out_of_memory_sits_out_its_scenario(tmp_path, monkeypatch):
-    """On an 80 GB card the random batch's padded contenders need more memory than there
-    is (84 GB on an H200). The scenario still measures the rest, and its table says which
-    did not fit, where the whole scenario had stopped at the error."""
+    """On an H100 (79.2 GiB) the random batch's padded contenders need more memory than
+    there is (84,017 MiB at their peak on an H200). The scenario still measures the rest,
+    and its table says which did not fit, where the whole scenario had stopped at the
+    error."""
     pytest.importorskip("transformers")
     import torch
 

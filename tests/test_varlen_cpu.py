@@ -368,14 +368,28 @@ def _compiled_counting(fn, dynamic):
     return torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=True), count
 
 
-def test_compile_dynamic_no_recompile_across_batches():
+@pytest.mark.parametrize("engine", ["auto", "block_diagonal"])
+def test_compile_dynamic_no_recompile_across_batches(monkeypatch, engine):
+    """One graph for batches of any sequence count, one sequence included (the
+    block-diagonal engine's offset checks in the graph had once guarded on it)."""
+    monkeypatch.setenv("OPENWAM_SDPA_VARLEN", engine)
+    openwam_sdpa.varlen_settings(reload=True)
+    try:
+        _one_graph_for_four_batches()
+    finally:
+        monkeypatch.delenv("OPENWAM_SDPA_VARLEN")
+        openwam_sdpa.varlen_settings(reload=True)
+        torch._dynamo.reset()
+
+
+def _one_graph_for_four_batches():
     torch._dynamo.reset()
 
     def fn(q, k, v, cu_q, cu_k, max_q, max_k):
         return openwam_sdpa.varlen_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True)
 
     compiled, count = _compiled_counting(fn, dynamic=True)
-    for lens in ([5, 3, 9], [2, 7, 4, 6, 3], [11, 2]):
+    for lens in ([5, 3, 9], [2, 7, 4, 6, 3], [11], [11, 2]):
         q, k, v, cu_q, cu_k, max_q, max_k = packed(lens, H=2, E=8)
         go = torch.randn(q.shape, dtype=q.dtype)
         out = compiled(q, k, v, cu_q, cu_q, max_q, max_k)
@@ -383,8 +397,7 @@ def test_compile_dynamic_no_recompile_across_batches():
         ref_out, ref_grads = per_sequence(q, k, v, cu_q, cu_q, go, is_causal=True)
         assert_close(out, ref_out, atol=1e-10, what=f"out {lens}")
         assert_close(q.grad, ref_grads[0], atol=1e-10, what=f"dq {lens}")
-    assert count["graphs"] == 1, f"{count['graphs']} forward graphs for three batches"
-    torch._dynamo.reset()
+    assert count["graphs"] == 1, f"{count['graphs']} forward graphs for four batches"
 
 
 def test_compile_with_max_seqlen_read_from_the_offsets():

@@ -77,8 +77,8 @@ def sweep(cases, name, suite_results):
             failures.append(problem)
     suite_results.put("frontend", name, cases=len(cases), failed=len(failures),
                       admitted_by_key_padded_stock=len(admitted),
-                      **{f"worst {n}": [round(r, 3), case]  # (ratio, case), as the fuzz keeps it
-                         for n, (r, case) in sorted(worst.items())})
+                      **{f"worst {n}": [round(r, 3), i]  # (ratio, case), as the fuzz keeps it
+                         for n, (r, i) in sorted(worst.items())})
     assert not failures, f"{len(failures)} of {len(cases)} failed:\n" + "\n".join(failures[:10])
 
 
