@@ -61,5 +61,6 @@ def test_a_contender_out_of_memory_sits_out_its_scenario(tmp_path, monkeypatch):
     row = next(line for line in md.splitlines() if line.startswith("| random"))
     assert row.count("out of memory") >= 8, row  # tokens/s, ratio, peak, loss, grads: 2 each
     targets = {t["target"]: t for t in bench.targets(result["scenarios"])}
-    assert targets["varlen / packed-sdpa >= 1.6 at packs >= 4096 tokens"]["met"] is None  # 96 tokens
+    # The selftest's packs hold 96 tokens: under the packed-sdpa target's 4,096.
+    assert targets["varlen / packed-sdpa >= 1.6 at packs >= 4096 tokens"]["met"] is None
     assert all(t["met"] is None for name, t in targets.items() if "padded-openwam" in name)
