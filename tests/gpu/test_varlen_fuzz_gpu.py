@@ -234,13 +234,12 @@ def check(i: int, c: dict, backends: dict, worst: dict, admitted: set,
             if floor < best < math.inf:
                 worst[n] = max(worst.get(n, 0.0), err / best)
             # (case, sequence, tensor, head_dim, error, best of three, floor)
+            pair = lambda e: (i, b, n, c["D"], f"{e:.2e}", f"{best:.2e}", f"{floor:.1e}")
             if best < math.inf and twice_stock_problem(n, err, best, floor):
-                outside_best.append((i, b, n, c["D"], f"{err:.2e}", f"{best:.2e}",
-                                     f"{floor:.1e}"))
+                outside_best.append(pair(err))
             fa2_err = sweep.max_err(getattr(varlen, n), r, skip) if varlen else math.inf
             if best < math.inf and varlen and twice_stock_problem(n, fa2_err, best, floor):
-                fa2_outside_best.append((i, b, n, c["D"], f"{fa2_err:.2e}", f"{best:.2e}",
-                                         f"{floor:.1e}"))
+                fa2_outside_best.append(pair(fa2_err))
             problem = twice_stock_problem(f"{n} of sequence {b}", err, yard, floor)
             if problem:
                 return f"{where}: {problem}"
