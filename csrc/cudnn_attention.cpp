@@ -20,6 +20,9 @@
 namespace openwam {
 namespace {
 
+constexpr const char* kBuiltWithoutCuda =
+    "openwam_sdpa was built without CUDA (no CUDA toolkit was found at build time)";
+
 bool sm80_or_newer(const at::Tensor& t) {
 #ifdef OPENWAM_WITH_CUDA
   return at::cuda::getDeviceProperties(t.device().index())->major >= 8;
@@ -64,6 +67,15 @@ long runtime_cudnn_version() {
 
 const char* cudnn_unavailable(const at::Tensor& query) {
   if (!query.is_cuda()) return "inputs are not on a CUDA device";
+#ifndef OPENWAM_WITH_CUDA
+  // A CUDA torch, but no CUDA toolkit when the extension was built: setup.py
+  // warns, and pip's -q hides it. Every CUDA call then runs stock F.sdpa,
+  // defects included, so the first one says why (found in review).
+  TORCH_WARN_ONCE(kBuiltWithoutCuda, ": CUDA calls run stock F.sdpa, without the fix. "
+                  "Reinstall with the CUDA toolkit on PATH or CUDA_HOME set "
+                  "(`python -m openwam_sdpa --version` says which build is loaded).");
+  return kBuiltWithoutCuda;
+#endif
   if (runtime_cudnn_version() == 0) return "cuDNN is not available";
   if (!sm80_or_newer(query)) return "GPU older than sm80";
   return nullptr;

@@ -84,7 +84,7 @@ constexpr const char* kRaggedUnmeasured =
     "cuDNN's ragged layout is measured right on 9.19.0 only (TransformerEngine #3249: a "
     "ragged backward read its stats as dense before cuDNN 9.26)";
 constexpr const char* kRaggedAction =
-    "sdpa_varlen runs the call on FlashAttention-2 varlen (or its block-diagonal fallback); "
+    "varlen_sdpa runs the call on FlashAttention-2 varlen (or its block-diagonal fallback); "
     "OPENWAM_SDPA_VARLEN=cudnn overrides";
 constexpr const char* kRaggedSource =
     "conservative: this project found the engine right on 9.19.0 only (H200, torch 2.11.0); "
@@ -198,7 +198,7 @@ const std::vector<GuardRule>& table() {
        "cuDNN's ragged layout rounds the dQ of a row with a logsumexp near -115 up to 5.4x "
        "coarser than stock F.sdpa and FlashAttention-2 varlen at head_dim 192 (relative "
        "2.8e-2 against 5.1e-3)",
-       "sdpa_varlen runs the call on FlashAttention-2 varlen, or where that cannot serve on "
+       "varlen_sdpa runs the call on FlashAttention-2 varlen, or where that cannot serve on "
        "the ragged layout still (the block-diagonal fallback's memory grows as total_q x "
        "total_k); OPENWAM_SDPA_VARLEN=cudnn overrides",
        "measured by this project on an H200 and an H100 (torch 2.11.0, cuDNN 9.19.0): the "

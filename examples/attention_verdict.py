@@ -28,6 +28,24 @@ class FirstAttentionCall(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def check_sizes(parser, args, width, kv_heads):
+    """parser.error() for sizes the model cannot take, before any tensor is
+    built: a next-token loss needs two tokens a row, and the width must split
+    into the heads, the query heads into the key/value heads (review: these
+    had ended in a reshape's traceback, or a loss over no labels)."""
+    for name in ("steps", "batch", "heads", "layers"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.seq < 2:
+        parser.error(f"--seq must be at least 2 (a next-token loss needs two tokens), got {args.seq}")
+    if args.vocab < 2:
+        parser.error(f"--vocab must be at least 2, got {args.vocab}")
+    if width < 1 or width % args.heads:
+        parser.error(f"the width ({width}) must be a positive multiple of --heads ({args.heads})")
+    if args.heads % kv_heads:
+        parser.error(f"--heads ({args.heads}) must be a multiple of the key/value heads ({kv_heads})")
+
+
 def fix_text(stats):
     """What the cuDNN path did, from openwam_sdpa.frontend_stats() over the run:
     backward calls that ran with cuDNN's padding mask (the fix, on the op's own

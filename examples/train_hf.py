@@ -29,7 +29,7 @@ import sys
 import torch
 
 import openwam_sdpa  # registers attn_implementation="openwam_sdpa" once transformers is imported
-from attention_verdict import FirstAttentionCall, verdict  # this folder's, on sys.path as run
+from attention_verdict import FirstAttentionCall, check_sizes, verdict  # this folder's, on sys.path as run
 
 try:
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -48,7 +48,14 @@ def parse_args():
     p.add_argument("--heads", type=int, default=4, help="query heads (2 key/value heads: GQA)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=1000)
-    return p.parse_args()
+    args = p.parse_args()
+    check_sizes(p, args, args.hidden, kv_heads(args.heads))
+    return args
+
+
+def kv_heads(heads):
+    """The key/value heads of the model: half the query heads (GQA), at least one."""
+    return max(1, heads // 2)
 
 
 def left_padded_batch(batch, seq, vocab, device):
@@ -67,7 +74,7 @@ def main():
     device = torch.device(args.device)
     config = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden,
                          intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
-                         num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 2),
+                         num_attention_heads=args.heads, num_key_value_heads=kv_heads(args.heads),
                          max_position_embeddings=max(args.seq, 128), use_cache=False)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=args.attn).to(device)
@@ -91,7 +98,7 @@ def main():
         print(f"step {step}: loss {loss.item():.4f}  grad norm {grad_norm.item():.3f}")
         if not (math.isfinite(loss.item()) and math.isfinite(grad_norm.item())):
             bad_steps.append(step)
-    if device.type != "cuda":
+    if device.type != "cuda" and not bad_steps:
         print("note: no NaN to show here: the NaN demonstration needs a CUDA GPU with cuDNN "
               "attention (the defect is in cuDNN's attention backward); this run checks that "
               "training works on the CPU")

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import openwam_sdpa
-from attention_verdict import FirstAttentionCall, verdict  # this folder's, on sys.path as run
+from attention_verdict import FirstAttentionCall, check_sizes, verdict  # this folder's, on sys.path as run
 
 
 class Block(nn.Module):
@@ -119,6 +119,7 @@ def main():
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=1000)
     args = p.parse_args()
+    check_sizes(p, args, args.dim, args.heads)
 
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -136,7 +137,7 @@ def main():
             bad_steps, first_call = train(model, batch, args.steps, device)
     else:
         bad_steps, first_call = train(model, batch, args.steps, device)
-    if device.type != "cuda":
+    if device.type != "cuda" and not bad_steps:
         print("note: no NaN to show here: the NaN demonstration needs a CUDA GPU with cuDNN "
               "attention (the defect is in cuDNN's attention backward); this run checks that "
               "training works on the CPU")

@@ -66,6 +66,8 @@ def test_version():
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(f"openwam_sdpa {openwam_sdpa.__version__} (torch {torch.__version__}"), r.stdout
     assert "cuDNN runtime" in r.stdout and r.stdout.count("\n") == 1
+    kernels = "with" if openwam_sdpa.build_info()["with_cuda"] else "without"
+    assert f"{kernels} CUDA kernels" in r.stdout, r.stdout
 
 
 def test_version_is_the_installed_distribution():
@@ -258,23 +260,34 @@ def test_explain_json_is_strict_json(capsys):
     assert json.loads(out, parse_constant=refuse)["call"]["scale"] == "nan"
 
 
-@pytest.mark.parametrize("variable,error", [
-    ("OPENWAM_SDPA_PAD", "openwam::sdpa: environment variable OPENWAM_SDPA_PAD must be 'auto', "
-                         "'always' or 'never', got 'sometimes'"),
+PAD_ERROR = ("openwam::sdpa: environment variable OPENWAM_SDPA_PAD must be 'auto', 'always' or "
+             "'never', got 'sometimes'")
+VARLEN_ERROR = ("openwam::sdpa_varlen: environment variable OPENWAM_SDPA_VARLEN must be 'auto', "
+                "'flash', 'cudnn' or 'block_diagonal', got 'sometimes'")
+
+
+@pytest.mark.parametrize("command,variable,error", [
+    ("doctor", "OPENWAM_SDPA_PAD", PAD_ERROR),
+    ("explain", "OPENWAM_SDPA_PAD", PAD_ERROR),
     # (the doctor had passed a bad varlen engine, on which every varlen_sdpa call raises)
-    ("OPENWAM_SDPA_VARLEN", "openwam::sdpa_varlen: environment variable OPENWAM_SDPA_VARLEN "
-                            "must be 'auto', 'flash', 'cudnn' or 'block_diagonal', got 'sometimes'"),
+    ("doctor", "OPENWAM_SDPA_VARLEN", VARLEN_ERROR),
+    # explain describes a dense call, which never reads the varlen engine: the
+    # op runs it (review: explain had refused it)
+    ("explain", "OPENWAM_SDPA_VARLEN", None),
 ])
-@pytest.mark.parametrize("command", ["doctor", "explain"])
 def test_a_bad_setting_is_one_line_and_the_usage_code(command, variable, error):
-    """Every call of the op raises on a bad OPENWAM_SDPA_* value; the commands
-    that read the settings say so in one line and exit 2, not with a
+    """Every call of the op that reads a bad OPENWAM_SDPA_* value raises; the
+    commands that read the settings say so in one line and exit 2, not with a
     traceback and the doctor's 'affected' code."""
     import os
 
     env = dict(os.environ, **{variable: "sometimes"})
     result = subprocess.run([sys.executable, "-m", "openwam_sdpa", command], capture_output=True,
                             text=True, timeout=300, env=env)
+    if error is None:
+        assert result.returncode == 0 and "openwam_sdpa explain:" in result.stdout, result.stderr
+        assert "sometimes" not in result.stderr, result.stderr
+        return
     assert result.returncode == cli.EXIT_USAGE and result.stdout == "", result.stderr
     assert result.stderr.strip().splitlines() == [
         f"python -m openwam_sdpa {command}: error: {error}"], result.stderr
@@ -425,12 +438,13 @@ def test_guard_hits_agree_with_the_tables_own_queries(batch, q_len, kv_len, cudn
 
 
 @pytest.mark.parametrize("text,version", [("9.19.0", 91900), ("9.19", 91900), ("91900", 91900),
-                                          ("9.26.1", 92601), ("10.0", 100000)])
+                                          ("9.26.1", 92601), ("10.0", 100000),
+                                          ("9.19.0.56", 91900), ("9.26.0.51", 92600)])
 def test_cudnn_versions(text, version):
     assert cli.cudnn_version(text) == version
 
 
-@pytest.mark.parametrize("text", ["9", "nine", "9.x", "9.100.0", "1.2.3.4", "-9.19", "100.0",
+@pytest.mark.parametrize("text", ["9", "nine", "9.x", "9.100.0", "9.19.0.x", "9.19.0.-1", "9.19.0.56.1", "9.19..56", "-9.19", "100.0",
                                   "3000000000", "99999999999999999999"])
 def test_bad_cudnn_versions(text):
     with pytest.raises(Exception, match="expected a cuDNN version"):

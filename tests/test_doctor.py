@@ -150,6 +150,18 @@ def test_broken_verdict_names_a_fix_turned_off():
     assert code == doctor.EXIT_BROKEN and "OPENWAM_SDPA_PAD=never turns the fix off" in line
 
 
+def test_a_build_without_cuda_on_a_gpu_is_broken_and_says_why():
+    """A CUDA torch whose extension was built without a CUDA toolkit hands
+    every CUDA call to stock F.sdpa: the doctor names the build, not a bug
+    to report, and the report's torch line says so."""
+    facts = dict(gpu_facts(1024, 1024), extension_has_cuda=False)
+    line, code = doctor.verdict(facts)
+    assert code == doctor.EXIT_BROKEN and "built without CUDA kernels" in line, line
+    assert "please report" not in line
+    assert "without CUDA kernels" in doctor.format_report(facts)
+    assert "without CUDA kernels" not in doctor.format_report(gpu_facts())
+
+
 def test_unverified_verdict_says_so():
     line, _ = doctor.verdict(gpu_facts(cudnn=92700))
     assert "cuDNN 9.27.0 is newer than any known" in line and "ragged" not in line

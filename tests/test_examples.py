@@ -190,3 +190,21 @@ def test_the_hf_extra_installs_transformers():
     assert pyproject["project"]["optional-dependencies"]["hf"] == ["transformers"]
     doc = (EXAMPLES / "train_hf.py").read_text()  # without importing transformers
     assert 'pip install --no-build-isolation ".[hf]"' in doc.split('"""')[1]
+
+
+@pytest.mark.parametrize("name,args,error", [
+    ("train_patch.py", ["--seq", "1"], "--seq must be at least 2"),
+    ("train_patch.py", ["--batch", "0"], "--batch must be at least 1, got 0"),
+    ("train_patch.py", ["--heads", "5"], "the width (512) must be a positive multiple of --heads (5)"),
+    ("train_hf.py", ["--hidden", "640", "--heads", "5"], "--heads (5) must be a multiple of the key/value heads (2)"),
+    ("train_hf.py", ["--steps", "0"], "--steps must be at least 1, got 0"),
+])
+def test_sizes_the_model_cannot_take_are_usage_errors(name, args, error, monkeypatch, capsys):
+    """argparse's usage error, before any model is built (review: a reshape's
+    traceback, or a NaN loss over no labels that the verdict blamed on training)."""
+    if name == "train_hf.py":
+        pytest.importorskip("transformers", reason="examples/train_hf.py needs transformers")
+    with pytest.raises(SystemExit) as exit_info:
+        run_example(name, ["--device", "cpu", *args], monkeypatch, capsys)
+    assert exit_info.value.code == 2
+    assert error in capsys.readouterr().err

@@ -64,14 +64,19 @@ def with_build_tag(tag: str, *ours: str) -> str:
     return ",".join(kept + list(ours))
 
 
+_build = None  # this process's build tag, set at import
+
+
 def tag_compile_caches(extension_path: str) -> None:
+    global _build
+    _build = build_tag(extension_path)
     config = torch.compiler.config
-    config.cache_key_tag = with_build_tag(config.cache_key_tag, build_tag(extension_path),
-                                          settings_tag())
+    config.cache_key_tag = with_build_tag(config.cache_key_tag, _build, settings_tag())
 
 
 def retag_settings() -> None:
-    """The settings tag again, after reload_settings(); the build tag stays."""
+    """The settings tag again, after reload_settings(), with the build tag: a
+    tag the user assigned since import has lost it (review)."""
     config = torch.compiler.config
-    build = [t for t in config.cache_key_tag.split(",") if t.startswith(_PREFIX)]
-    config.cache_key_tag = with_build_tag(config.cache_key_tag, *build, settings_tag())
+    ours = [_build] if _build else []
+    config.cache_key_tag = with_build_tag(config.cache_key_tag, *ours, settings_tag())

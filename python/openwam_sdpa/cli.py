@@ -29,7 +29,7 @@ exit codes:
   {EXIT_ERROR}  the command failed (an uncaught error, with its traceback)
   {EXIT_USAGE}  usage error: unknown command, bad argument or bad OPENWAM_SDPA_* setting
      (argparse's code)
-  {doctor.EXIT_BROKEN}  doctor: openwam_sdpa itself gave non-finite gradients
+  {doctor.EXIT_BROKEN}  doctor: openwam_sdpa itself gave non-finite gradients, or has no CUDA kernels
   {doctor.EXIT_AFFECTED}  doctor: this stack is affected, and openwam_sdpa fixes it"""
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
@@ -71,8 +71,9 @@ def version_text():
     from . import __version__
     info = ops.build_info()
     cuda = torch.version.cuda or "none (CPU build)"
+    kernels = "with" if info["with_cuda"] else "without"
     return (f"openwam_sdpa {__version__} (torch {torch.__version__}, extension built for "
-            f"torch {info['torch_version']}; CUDA {cuda}; cuDNN runtime "
+            f"torch {info['torch_version']} {kernels} CUDA kernels; CUDA {cuda}; cuDNN runtime "
             f"{doctor.cudnn_str(info['cudnn_runtime'])}, compiled "
             f"{doctor.cudnn_str(info['cudnn_compiled'])})")
 
@@ -94,18 +95,23 @@ def positive_int(text):
 
 
 def cudnn_version(text):
-    """9.19.0, 9.19 or 91900 to cuDNN's encoding (90000 + 100 * minor + patch)."""
+    """9.19.0, 9.19 or 91900 to cuDNN's encoding (90000 + 100 * minor + patch);
+    9.19.0.56, as pip names the nvidia-cudnn wheels, too (the build number
+    is no part of the encoding)."""
     parts = text.split(".")
     try:
         if len(parts) == 1 and 10000 <= int(text) < 1000000:
             return int(text)
+        if len(parts) == 4 and int(parts[3]) >= 0:
+            parts = parts[:3]
         if 2 <= len(parts) <= 3:
             major, minor, patch = (int(p) for p in parts + ["0"] * (3 - len(parts)))
             if 0 < major < 100 and 0 <= minor < 100 and 0 <= patch < 100:
                 return major * 10000 + minor * 100 + patch
     except ValueError:
         pass
-    raise argparse.ArgumentTypeError(f"expected a cuDNN version such as 9.19.0 or 91900, got {text!r}")
+    raise argparse.ArgumentTypeError(
+        f"expected a cuDNN version such as 9.19.0, 9.19.0.56 or 91900, got {text!r}")
 
 
 def build_parser():
@@ -163,7 +169,7 @@ def build_parser():
         description="The guard table of known cuDNN attention defects, and which rows apply "
                     "to the runtime cuDNN (without one: to the cuDNN this torch ships).")
     p.add_argument("--cudnn", type=cudnn_version, metavar="VERSION",
-                   help="read the table for this cuDNN instead (9.19.0, 9.19 or 91900)")
+                   help="read the table for this cuDNN instead (9.19.0, 9.19, 9.19.0.56 or 91900)")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.set_defaults(subparser=p)
     return parser
@@ -447,10 +453,14 @@ def main(argv=None):
         return EXIT_USAGE
     if args.command in ("doctor", "explain"):
         # Both read the settings; a bad OPENWAM_SDPA_* value raises there, and
-        # every call of the op would raise the same. One line, the usage code.
+        # every call of the op that reads it would raise the same. One line,
+        # the usage code. explain describes a dense call, which never reads
+        # OPENWAM_SDPA_VARLEN (review: it refused a dense call for it); the
+        # doctor checks the stack's every setting.
         try:
             ops.settings()
-            varlen_settings()
+            if args.command == "doctor":
+                varlen_settings()
         except RuntimeError as e:
             print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr)
             return EXIT_USAGE

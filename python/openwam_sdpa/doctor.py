@@ -226,6 +226,12 @@ def verdict(facts):
         return ("not affected here: no CUDA GPU (the defect lives in cuDNN's GPU "
                 "backward); run this on the training machine", EXIT_OK)
     ours, stock = _totals(facts, "openwam"), _totals(facts, "stock")
+    if not facts["extension_has_cuda"]:
+        # A CUDA torch, no CUDA toolkit at build time: the op hands every CUDA
+        # call to stock F.sdpa, so it has the defects stock has.
+        return ("BROKEN: this openwam_sdpa was built without CUDA kernels (no CUDA toolkit "
+                "was found at build time), so CUDA calls run stock F.sdpa without the fix; "
+                "reinstall with nvcc on PATH or CUDA_HOME set", EXIT_BROKEN)
     if ours:
         if facts["settings"].get("pad") == "never":
             return (f"BROKEN: openwam_sdpa gave {ours} non-finite gradient elements: "
@@ -268,7 +274,8 @@ def format_report(facts):
         cudnn = f"{minor_str(cov['cudnn'])} (shipped with this torch; none loaded here)"
     lines = [
         "openwam_sdpa doctor",
-        f"  torch            {facts['torch']} (extension built for {facts['built_for_torch']})",
+        f"  torch            {facts['torch']} (extension built for {facts['built_for_torch']}"
+        f"{'' if facts['extension_has_cuda'] else ', without CUDA kernels'})",
         f"  CUDA             {facts['cuda'] or 'none (CPU build)'}",
         f"  cuDNN            runtime {cudnn_str(facts['cudnn_runtime'])}, "
         f"compiled {cudnn_str(facts['cudnn_compiled'])}",

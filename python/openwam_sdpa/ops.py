@@ -175,14 +175,18 @@ def explain(
 
 
 def settings() -> dict:
-    """The OPENWAM_SDPA_* settings in force: read from the environment once, at
-    the first call, and cached."""
+    """The dense op's OPENWAM_SDPA_* settings in force (CUDNN, PAD, FRONTEND,
+    CHECK_FINITE): read from the environment once, at the first call, and
+    cached. varlen_sdpa's engine setting, OPENWAM_SDPA_VARLEN, is in
+    varlen_settings(); OPENWAM_SDPA_UNPAD is read per call by the transformers
+    integration."""
     return _C.settings()
 
 
 def reload_settings() -> dict:
     """Re-read the OPENWAM_SDPA_* environment variables (after changing
-    os.environ), OPENWAM_SDPA_VARLEN included; returns the new settings. A bad
+    os.environ), OPENWAM_SDPA_VARLEN included; returns the dense op's new
+    settings (varlen_settings() shows OPENWAM_SDPA_VARLEN's). A bad
     value raises here, and every call raises until it is fixed. Reload between
     steps, not between a forward and its backward. A graph that torch.compile
     traced before keeps the route and plan it was traced with (OPENWAM_SDPA_CUDNN,
@@ -228,5 +232,7 @@ def guard_rules() -> list:
 def key_tail_defect(
     cudnn_version: int, s_kv: int, head_dim: int, is_causal: bool = False
 ) -> bool:
-    """Whether the guard table marks this cuDNN version / key length affected."""
+    """Whether the guard table marks this cuDNN version / key length affected.
+    cudnn_version is cuDNN's encoding, as torch.backends.cudnn.version() gives
+    it: 91900 for 9.19.0."""
     return _C.key_tail_defect(cudnn_version, s_kv, head_dim, is_causal)

@@ -39,6 +39,7 @@ torch.jit._builtins._register_builtin(_patched_sdpa, "openwam::sdpa")
 
 
 def is_patched() -> bool:
+    """Whether torch.nn.functional.scaled_dot_product_attention is openwam_sdpa's now."""
     return F.scaled_dot_product_attention is _patched_sdpa
 
 
@@ -105,6 +106,10 @@ class patch:
     def __exit__(self, *exc):
         _exchange(self._previous)
         return False
+
+    def __repr__(self):
+        # A bare patch() in a REPL prints this, not an object address.
+        return f"openwam_sdpa.patch() (F.sdpa patched now: {is_patched()})"
 
 
 class patched_while_inside:
