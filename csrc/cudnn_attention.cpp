@@ -20,8 +20,10 @@
 namespace openwam {
 namespace {
 
+#ifndef OPENWAM_WITH_CUDA
 constexpr const char* kBuiltWithoutCuda =
     "openwam_sdpa was built without CUDA (no CUDA toolkit was found at build time)";
+#endif
 
 bool sm80_or_newer(const at::Tensor& t) {
 #ifdef OPENWAM_WITH_CUDA
@@ -68,13 +70,17 @@ long runtime_cudnn_version() {
 const char* cudnn_unavailable(const at::Tensor& query) {
   if (!query.is_cuda()) return "inputs are not on a CUDA device";
 #ifndef OPENWAM_WITH_CUDA
-  // A CUDA torch, but no CUDA toolkit when the extension was built: setup.py
-  // warns, and pip's -q hides it. Every CUDA call then runs stock F.sdpa,
-  // defects included, so the first one says why (found in review).
-  TORCH_WARN_ONCE(kBuiltWithoutCuda, ": CUDA calls run stock F.sdpa, without the fix. "
-                  "Reinstall with the CUDA toolkit on PATH or CUDA_HOME set "
-                  "(`python -m openwam_sdpa --version` says which build is loaded).");
-  return kBuiltWithoutCuda;
+  // A CUDA torch on a GPU, but no CUDA toolkit when the extension was built:
+  // setup.py warns, and pip's -q hides it. Every CUDA call then runs stock
+  // F.sdpa, defects included, so the first one says why (found in review).
+  // Without a GPU (explain() of a fake CUDA call on a CPU machine) there is
+  // nothing to reinstall for.
+  if (at::detail::getCUDAHooks().hasCUDA()) {
+    TORCH_WARN_ONCE(kBuiltWithoutCuda, ": CUDA calls run stock F.sdpa, without the fix. "
+                    "Reinstall with the CUDA toolkit on PATH or CUDA_HOME set "
+                    "(`python -m openwam_sdpa --version` says which build is loaded).");
+    return kBuiltWithoutCuda;
+  }
 #endif
   if (runtime_cudnn_version() == 0) return "cuDNN is not available";
   if (!sm80_or_newer(query)) return "GPU older than sm80";

@@ -189,6 +189,20 @@ def test_explain_for_cuda_without_a_gpu_says_why_and_what_the_table_says(capsys)
 
 
 @NO_GPU
+def test_explain_for_cuda_without_a_gpu_warns_nothing():
+    """README's explain example on a machine without a GPU: no warning. A
+    CPU-only extension warns at a CUDA call only where torch has a GPU,
+    where it has no fix to give (review: it had warned for fake tensors)."""
+    result = subprocess.run(
+        [sys.executable, "-W", "error", "-m", "openwam_sdpa", "explain", "--batch", "2", "--heads",
+         "16", "--kv-heads", "4", "--q-len", "307", "--kv-len", "320", "--head-dim", "96",
+         "--dtype", "bf16", "--mask", "bool", "--device", "cuda"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert "built without CUDA" not in result.stdout
+
+
+@NO_GPU
 def test_explain_for_cuda_when_fake_cuda_tensors_fail(capsys, monkeypatch):
     """A torch that cannot fake a CUDA device here: meta tensors, said so."""
     import torch._subclasses.fake_tensor as fake_tensor
