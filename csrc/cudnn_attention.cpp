@@ -22,7 +22,8 @@ namespace {
 
 #ifndef OPENWAM_WITH_CUDA
 constexpr const char* kBuiltWithoutCuda =
-    "openwam_sdpa was built without CUDA (no CUDA toolkit was found at build time)";
+    "openwam_sdpa was built without CUDA (no CUDA toolkit at build time, or "
+    "OPENWAM_SDPA_NO_CUDA=1)";
 #endif
 
 bool sm80_or_newer(const at::Tensor& t) {
@@ -77,8 +78,8 @@ const char* cudnn_unavailable(const at::Tensor& query) {
   // nothing to reinstall for.
   if (at::detail::getCUDAHooks().hasCUDA()) {
     TORCH_WARN_ONCE(kBuiltWithoutCuda, ": CUDA calls run stock F.sdpa, without the fix. "
-                    "Reinstall with the CUDA toolkit on PATH or CUDA_HOME set "
-                    "(`python -m openwam_sdpa --version` says which build is loaded).");
+                    "With nvcc on PATH (or CUDA_HOME set): pip install --no-build-isolation "
+                    "--force-reinstall --no-deps . in the openwam_sdpa checkout.");
     return kBuiltWithoutCuda;
   }
 #endif

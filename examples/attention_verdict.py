@@ -28,11 +28,14 @@ class FirstAttentionCall(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def check_sizes(parser, args, width, kv_heads):
+def check_sizes(parser, args, width_flag, kv_heads, even_head_dim=False):
     """parser.error() for sizes the model cannot take, before any tensor is
-    built: a next-token loss needs two tokens a row, and the width must split
-    into the heads, the query heads into the key/value heads (review: these
-    had ended in a reshape's traceback, or a loss over no labels)."""
+    built: a next-token loss needs two tokens a row, and the width (the
+    option `width_flag`) must split into the heads, the query heads into the
+    key/value heads, and with rotary positions (even_head_dim) into heads of
+    an even size (review: these had ended in a traceback, or a loss over no
+    labels)."""
+    width = getattr(args, width_flag)
     for name in ("steps", "batch", "heads", "layers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
@@ -41,7 +44,10 @@ def check_sizes(parser, args, width, kv_heads):
     if args.vocab < 2:
         parser.error(f"--vocab must be at least 2, got {args.vocab}")
     if width < 1 or width % args.heads:
-        parser.error(f"the width ({width}) must be a positive multiple of --heads ({args.heads})")
+        parser.error(f"--{width_flag} ({width}) must be a positive multiple of --heads ({args.heads})")
+    if even_head_dim and (width // args.heads) % 2:
+        parser.error(f"--{width_flag} / --heads ({width} / {args.heads}) must be even: rotary "
+                     "positions rotate pairs of channels")
     if args.heads % kv_heads:
         parser.error(f"--heads ({args.heads}) must be a multiple of the key/value heads ({kv_heads})")
 

@@ -45,11 +45,12 @@ def parse_args():
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=704, help="tokens per row, padding included")
     p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--heads", type=int, default=4, help="query heads (2 key/value heads: GQA)")
+    p.add_argument("--heads", type=int, default=4,
+                   help="query heads (half as many key/value heads, at least one: GQA)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=1000)
     args = p.parse_args()
-    check_sizes(p, args, args.hidden, kv_heads(args.heads))
+    check_sizes(p, args, "hidden", kv_heads(args.heads), even_head_dim=True)
     return args
 
 

@@ -119,7 +119,7 @@ def main():
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=1000)
     args = p.parse_args()
-    check_sizes(p, args, args.dim, args.heads)
+    check_sizes(p, args, "dim", args.heads)
 
     device = torch.device(args.device)
     torch.manual_seed(0)

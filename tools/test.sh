@@ -156,15 +156,22 @@ else
   cmake_what="the library compiled from csrc"
 fi
 # Beside pytest, which keeps a core: in a process group of its own (setsid),
-# so that an interrupted run stops its compilers too.
+# so that an interrupted run stops its compilers too. pytest takes a Ctrl-C
+# and exits, so the script exits on INT and TERM itself (review: the first
+# Ctrl-C left it waiting for the build).
 cmake_jobs=$((MAX_JOBS > 1 ? MAX_JOBS - 1 : 1))
 say "cmake configure + build in the background (build/cmake, -j$cmake_jobs): $cmake_what"
-group=(setsid)
-command -v setsid >/dev/null || group=()
-"${group[@]}" bash -c 'cmake "$@" && cmake --build "$0" -j "$1"' "$CMAKE_DIR" "$cmake_jobs" \
-  "${cmake_args[@]}" >"$LOGS/cmake.log" 2>&1 &
+build_cpp_tests() { cmake "${cmake_args[@]}" && cmake --build "$CMAKE_DIR" -j "$cmake_jobs"; }
+if command -v setsid >/dev/null; then
+  export -f build_cpp_tests
+  setsid bash -c "$(declare -p cmake_args CMAKE_DIR cmake_jobs); build_cpp_tests" >"$LOGS/cmake.log" 2>&1 &
+else
+  build_cpp_tests >"$LOGS/cmake.log" 2>&1 &
+fi
 cmake_pid=$!
-trap 'kill -- -"$cmake_pid" 2>/dev/null || kill "$cmake_pid" 2>/dev/null' EXIT
+stop_cpp_build() { kill -- -"$cmake_pid" 2>/dev/null || kill "$cmake_pid" 2>/dev/null; }
+trap stop_cpp_build EXIT
+trap 'exit 130' INT TERM
 
 # ------------------------------------------------------------ pytest
 pytest_rc=1
@@ -183,7 +190,10 @@ fi
 
 # ------------------------------------------------------------ 4. ctest
 say "waiting for the C++ tests' build ($(elapsed))"
-if wait "$cmake_pid"; then
+wait "$cmake_pid"
+cmake_rc=$?
+trap - EXIT  # reaped: its pid may be another process's from here on
+if ((cmake_rc == 0)); then
   say "C++ library and tests built ($(elapsed)); ctest"
   (cd "$CMAKE_DIR" && ctest --output-on-failure -j "$MAX_JOBS") 2>&1 | tee "$LOGS/ctest.log"
   ctest_rc=${PIPESTATUS[0]}

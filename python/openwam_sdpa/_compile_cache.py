@@ -70,13 +70,12 @@ _build = None  # this process's build tag, set at import
 def tag_compile_caches(extension_path: str) -> None:
     global _build
     _build = build_tag(extension_path)
-    config = torch.compiler.config
-    config.cache_key_tag = with_build_tag(config.cache_key_tag, _build, settings_tag())
+    retag_settings()
 
 
 def retag_settings() -> None:
-    """The settings tag again, after reload_settings(), with the build tag: a
-    tag the user assigned since import has lost it (review)."""
+    """Our tags again (the settings', after reload_settings()), the build's
+    with them: a tag the user assigned since import has lost it (review)."""
     config = torch.compiler.config
     ours = [_build] if _build else []
     config.cache_key_tag = with_build_tag(config.cache_key_tag, *ours, settings_tag())

@@ -98,11 +98,12 @@ def cudnn_version(text):
     """9.19.0, 9.19 or 91900 to cuDNN's encoding (90000 + 100 * minor + patch);
     9.19.0.56, as pip names the nvidia-cudnn wheels, too (the build number
     is no part of the encoding)."""
-    parts = text.split(".")
+    # ASCII digits only: int() alone also takes "+5", " 56", "1_9" and "-0".
+    parts = text.split(".") if re.fullmatch(r"[0-9]+(\.[0-9]+){0,3}", text) else []
     try:
         if len(parts) == 1 and 10000 <= int(text) < 1000000:
             return int(text)
-        if len(parts) == 4 and int(parts[3]) >= 0:
+        if len(parts) == 4:
             parts = parts[:3]
         if 2 <= len(parts) <= 3:
             major, minor, patch = (int(p) for p in parts + ["0"] * (3 - len(parts)))

@@ -230,8 +230,10 @@ def verdict(facts):
         # A CUDA torch, no CUDA toolkit at build time: the op hands every CUDA
         # call to stock F.sdpa, so it has the defects stock has.
         return ("BROKEN: this openwam_sdpa was built without CUDA kernels (no CUDA toolkit "
-                "was found at build time), so CUDA calls run stock F.sdpa without the fix; "
-                "reinstall with nvcc on PATH or CUDA_HOME set", EXIT_BROKEN)
+                "at build time, or OPENWAM_SDPA_NO_CUDA=1), so CUDA calls run stock F.sdpa "
+                "without the fix; with nvcc on PATH (or CUDA_HOME set): pip install "
+                "--no-build-isolation --force-reinstall --no-deps . in the openwam_sdpa "
+                "checkout", EXIT_BROKEN)
     if ours:
         if facts["settings"].get("pad") == "never":
             return (f"BROKEN: openwam_sdpa gave {ours} non-finite gradient elements: "
