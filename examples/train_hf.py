@@ -29,7 +29,8 @@ import sys
 import torch
 
 import openwam_sdpa  # registers attn_implementation="openwam_sdpa" once transformers is imported
-from attention_verdict import FirstAttentionCall, check_sizes, verdict  # this folder's, on sys.path as run
+# this folder's attention_verdict.py, on sys.path as the example runs
+from attention_verdict import FirstAttentionCall, check_sizes, verdict
 
 try:
     from transformers import AutoModelForCausalLM, Qwen2Config

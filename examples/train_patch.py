@@ -31,7 +31,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import openwam_sdpa
-from attention_verdict import FirstAttentionCall, check_sizes, verdict  # this folder's, on sys.path as run
+# this folder's attention_verdict.py, on sys.path as the example runs
+from attention_verdict import FirstAttentionCall, check_sizes, verdict
 
 
 class Block(nn.Module):
