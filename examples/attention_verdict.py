@@ -40,7 +40,8 @@ def check_sizes(parser, args, width_flag, kv_heads, even_head_dim=False):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.seq < 2:
-        parser.error(f"--seq must be at least 2 (a next-token loss needs two tokens), got {args.seq}")
+        parser.error(f"--seq must be at least 2 (a next-token loss needs two tokens), "
+                     f"got {args.seq}")
     if args.vocab < 2:
         parser.error(f"--vocab must be at least 2, got {args.vocab}")
     if width < 1 or width % args.heads:

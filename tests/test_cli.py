@@ -458,8 +458,9 @@ def test_cudnn_versions(text, version):
     assert cli.cudnn_version(text) == version
 
 
-@pytest.mark.parametrize("text", ["9", "nine", "9.x", "9.100.0", "9.19.0.x", "9.19.0.-1", "9.19.0.-0", "9.19.0.+5",
-                                  "9.19.0. 56", "9.19.0.5_6", "9.19.0.56.1", "9.19..56", "-9.19", "100.0",
+@pytest.mark.parametrize("text", ["9", "nine", "9.x", "9.100.0", "9.19.0.x", "9.19.0.-1",
+                                  "9.19.0.-0", "9.19.0.+5", "9.19.0. 56", "9.19.0.5_6",
+                                  "9.19.0.56.1", "9.19..56", "-9.19", "100.0",
                                   "3000000000", "99999999999999999999"])
 def test_bad_cudnn_versions(text):
     with pytest.raises(Exception, match="expected a cuDNN version"):

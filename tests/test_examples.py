@@ -197,7 +197,8 @@ def test_the_hf_extra_installs_transformers():
     ("train_patch.py", ["--batch", "0"], "--batch must be at least 1, got 0"),
     ("train_patch.py", ["--heads", "5"], "--dim (512) must be a positive multiple of --heads (5)"),
     ("train_hf.py", ["--hidden", "20", "--heads", "4"], "--hidden / --heads (20 / 4) must be even"),
-    ("train_hf.py", ["--hidden", "640", "--heads", "5"], "--heads (5) must be a multiple of the key/value heads (2)"),
+    ("train_hf.py", ["--hidden", "640", "--heads", "5"],
+     "--heads (5) must be a multiple of the key/value heads (2)"),
     ("train_hf.py", ["--steps", "0"], "--steps must be at least 1, got 0"),
 ])
 def test_sizes_the_model_cannot_take_are_usage_errors(name, args, error, monkeypatch, capsys):

@@ -128,7 +128,7 @@ else
   say "FAILED: building the extension (full log: build/test-logs/build_py.log)"
 fi
 
-# ------------------------------------------------------------ 3. the C++ tests, built beside pytest
+# ------------------------------------------------------------ 3a. the C++ tests' build, in the background
 ctest_rc=1
 ctest_line="not run (cmake configure or build failed)"
 cmake_args=(-S "$ROOT" -B "$CMAKE_DIR" -DCMAKE_BUILD_TYPE=Release
@@ -173,7 +173,7 @@ stop_cpp_build() { kill -- -"$cmake_pid" 2>/dev/null || kill "$cmake_pid" 2>/dev
 trap stop_cpp_build EXIT
 trap 'exit 130' INT TERM
 
-# ------------------------------------------------------------ pytest
+# ------------------------------------------------------------ 3b. pytest, beside it
 pytest_rc=1
 pytest_line="not run (the extension did not build)"
 if ((build_ok)); then

@@ -225,15 +225,15 @@ def verdict(facts):
     if facts["gpu"] is None:
         return ("not affected here: no CUDA GPU (the defect lives in cuDNN's GPU "
                 "backward); run this on the training machine", EXIT_OK)
-    ours, stock = _totals(facts, "openwam"), _totals(facts, "stock")
     if not facts["extension_has_cuda"]:
-        # A CUDA torch, no CUDA toolkit at build time: the op hands every CUDA
-        # call to stock F.sdpa, so it has the defects stock has.
+        # A CUDA torch, an extension built without CUDA: the op hands every
+        # CUDA call to stock F.sdpa, so it has the defects stock has.
         return ("BROKEN: this openwam_sdpa was built without CUDA kernels (no CUDA toolkit "
                 "at build time, or OPENWAM_SDPA_NO_CUDA=1), so CUDA calls run stock F.sdpa "
                 "without the fix; with nvcc on PATH (or CUDA_HOME set): pip install "
                 "--no-build-isolation --force-reinstall --no-deps . in the openwam_sdpa "
                 "checkout", EXIT_BROKEN)
+    ours, stock = _totals(facts, "openwam"), _totals(facts, "stock")
     if ours:
         if facts["settings"].get("pad") == "never":
             return (f"BROKEN: openwam_sdpa gave {ours} non-finite gradient elements: "
