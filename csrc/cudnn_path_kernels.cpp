@@ -23,6 +23,7 @@
 #include "plan.h"
 #include "reference_attention.h"
 #include "row_copy.h"
+#include "score_shift.h"
 #include "settings.h"
 #include "shim_slices.h"
 
@@ -423,8 +424,11 @@ Tensors3 backward_with_plan(const at::Tensor& grad_out, const at::Tensor& query,
     PaddedQuery p = pad_query_row(q, go, o, lse, bias);
     q = p.query, go = p.grad_out, o = p.out, lse = p.logsumexp, bias = p.bias;
   }
-  auto [dq, dk, dv] = engine.backward(go, q, k, v, o, lse, philox_seed, philox_offset,
-                                      bias, dropout_p, causal, scale);
+  // A bool mask's bias on the key tail: the scores shifted, the bias restored
+  // when the backward returns (score_shift.h).
+  const ScopedScoreShift shift(plan.shift_scores, bias, lse);
+  auto [dq, dk, dv] = engine.backward(go, q, k, v, o, shift.logsumexp(), philox_seed,
+                                      philox_offset, bias, dropout_p, causal, scale);
   if (plan.pad_query_backward) {
     dq = like_input(query, dq);
   }
@@ -598,10 +602,19 @@ Tensors3 frontend_backward(const at::Tensor& grad_out, const at::Tensor& query,
   }
   Tensors3 grads;
   std::string why_not;
-  if (frontend::sdpa_backward(grad_out, query, key, value, out, logsumexp, philox_seed,
-                              philox_offset,
-                              bias_keys(attn_bias.value_or(at::Tensor()), key.size(2)),
-                              dropout_p, is_causal, scale, plan.padding_mask, grads, why_not)) {
+  bool ran = false;
+  {
+    const at::Tensor bias = bias_keys(attn_bias.value_or(at::Tensor()), key.size(2));
+    // Restored before the ATen fallback below, which shifts it again.
+    const ScopedScoreShift shift(plan.shift_scores, bias, logsumexp);
+    ran = frontend::sdpa_backward(grad_out, query, key, value, out, shift.logsumexp(),
+                                  philox_seed, philox_offset, bias, dropout_p, is_causal, scale,
+                                  plan.padding_mask, grads, why_not);
+  }
+  if (ran) {
+    if (plan.shift_scores) {
+      frontend::stats().score_shift_backwards++;
+    }
     return finish_backward(std::move(grads), query, key, logsumexp, plan);
   }
   note_fallback(why_not, plan);

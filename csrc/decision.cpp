@@ -43,6 +43,10 @@ Plan plan_for(const GuardVerdict& verdict, const CallShape& shape, PadMode pad) 
       // Every differentiated backward takes the fix, whether or not a rule
       // marks the call affected.
       Plan p = verdict.plan;
+      if (shape.bool_mask) {
+        p.shift_scores = true;
+        return p;
+      }
       p.padding_mask = true;
       if (shape.s_kv % kCudnnKeyTile != 0 && !p.pads_keys()) {
         (shape.dropout_p > 0.0 ? p.pad_keys_forward : p.pad_keys_backward) = true;

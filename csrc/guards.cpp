@@ -90,12 +90,15 @@ constexpr const char* kRaggedSource =
     "conservative: this project found the engine right on 9.19.0 only (H200, torch 2.11.0); "
     "related: TransformerEngine #3249, pytorch #186142 (why not ATen's ragged call)";
 
-// Both key-tail rows (padding.h's shim_takes_bias says why the shim takes a
-// masked call whose keys it grows by at most 1/32).
+// Both key-tail rows. A bool mask's bias takes the score shift (score_shift.h
+// says why), on either engine; padding.h's shim_takes_bias says why the shim
+// takes an additive mask whose keys it grows by at most 1/32.
 constexpr const char* kKeyTailAction =
-    "the backward runs with cuDNN's padding mask; with a mask (no dropout) and at most "
-    "1/32 more keys to the next multiple of 128, on K, V and the mask padded to it "
-    "(ATen fallback: K/V padded to a multiple of 128)";
+    "with a bool mask, the backward runs on scores shifted so that no logsumexp is below 0 "
+    "(the mask's bias and the logsumexp raised by one power of two per bias row); without a "
+    "mask, with cuDNN's padding mask; with an additive mask, with the padding mask, or (no "
+    "dropout, at most 1/32 more keys to the next multiple of 128) on K, V and the mask "
+    "padded to it (ATen fallback: K/V padded to a multiple of 128)";
 
 const std::vector<GuardRule>& table() {
   static const std::vector<GuardRule> rules = {
@@ -259,9 +262,13 @@ GuardVerdict check_guards(const CallShape& shape, long cudnn_version) {
         verdict.avoid = &rule;
         return verdict;
       case Fix::kKeyTail:
-        verdict.plan.padding_mask = true;
-        (shape.dropout_p > 0.0 ? verdict.plan.pad_keys_forward
-                               : verdict.plan.pad_keys_backward) = true;
+        if (shape.bool_mask) {
+          verdict.plan.shift_scores = true;
+        } else {
+          verdict.plan.padding_mask = true;
+          (shape.dropout_p > 0.0 ? verdict.plan.pad_keys_forward
+                                 : verdict.plan.pad_keys_backward) = true;
+        }
         break;
       case Fix::kSingleQueryRow:
         verdict.plan.padding_mask = true;

@@ -37,9 +37,10 @@ struct VersionRange {
 // What a rule does to a differentiated call it hits.
 enum class Fix {
   kAvoidCudnn,       // no fix on cuDNN: the call runs on PyTorch's next backend
-  kKeyTail,          // the key-tail dQ defect: cuDNN's padding mask on the
-                     // frontend; on the ATen fallback, K/V padded to a multiple
-                     // of 128 (with dropout, in the forward too)
+  kKeyTail,          // the key-tail dQ defect: with a bool mask the score
+                     // shift (both engines); otherwise cuDNN's padding mask on
+                     // the frontend, and on the ATen fallback K/V padded to a
+                     // multiple of 128 (with dropout, in the forward too)
   kSingleQueryRow,   // the one-query-row dK/dV defect: the backward in fp32
                      // without cuDNN; with dropout, cuDNN's padding mask and a
                      // second zero query row

@@ -2,10 +2,12 @@
 // defects that hit it. The guard table (guards.h) sets it; the cuDNN path's
 // kernels (cudnn_path_kernels.cpp) carry it out.
 //
-// A plan names one fix per engine. On the cuDNN frontend (cudnn_frontend/),
-// the op's own graphs, the fix is cuDNN's padding mask. Where the frontend
-// cannot build a graph for a call, the call runs on ATen's cuDNN attention,
-// whose wrappers hide that mask, and the fix is to pad the inputs instead.
+// A plan names one fix per engine. A call whose bias comes from a bool mask
+// shifts its scores (score_shift.h), on either engine. On the cuDNN frontend
+// (cudnn_frontend/), the op's own graphs, the other calls' fix is cuDNN's
+// padding mask. Where the frontend cannot build a graph for a call, the call
+// runs on ATen's cuDNN attention, whose wrappers hide that mask, and the fix
+// is to pad the inputs instead.
 // Fixes combine: a call can hit two defects at once (batch 1, one query row,
 // s_kv % 128 == 64).
 #pragma once
@@ -23,6 +25,14 @@ struct Plan {
   // one-query-row dK/dV NaN (#1072) it removed in most cells but not all (25
   // of 360 degenerate cells, H200, cuDNN 9.19.0): pad_query_backward below.
   bool padding_mask = false;
+
+  // Both engines, a bias from a bool mask (finite entries 0): the backward
+  // runs stock's graph on scores shifted by a power of two per bias row, the
+  // bias raised by it and the logsumexp with it, so that no row's logsumexp
+  // is below 0 (score_shift.h). It removes the key-tail dQ NaN at stock's
+  // cost, where the padding mask's biased backward is cuDNN's slow corner.
+  // Takes the place of padding_mask and the K/V padding for such calls.
+  bool shift_scores = false;
 
   // The key-tail defect on ATen's cuDNN attention (the fallback): the backward
   // runs on K/V zero-padded to a multiple of 128, the padded keys hidden by
@@ -42,7 +52,8 @@ struct Plan {
   bool pad_query_backward = false;
 
   bool none() const {
-    return !padding_mask && !pad_keys_backward && !pad_keys_forward && !pad_query_backward;
+    return !padding_mask && !shift_scores && !pad_keys_backward && !pad_keys_forward &&
+           !pad_query_backward;
   }
   bool pads_keys() const { return pad_keys_backward || pad_keys_forward; }
   // The part that the ATen fallback carries out.

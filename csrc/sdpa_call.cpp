@@ -172,6 +172,7 @@ CallShape shape_of(const SdpaCall& call) {
   s.is_causal = call.is_causal;
   s.fp16 = call.query.scalar_type() == at::kHalf;
   s.has_mask = call.attn_mask.has_value();
+  s.bool_mask = s.has_mask && call.attn_mask->scalar_type() == at::kBool;
   s.dropout_p = call.dropout_p;
   return s;
 }

@@ -69,6 +69,9 @@ struct CallShape {
   bool is_causal = false;
   bool fp16 = false;  // float16 (bfloat16 otherwise, on the cuDNN path)
   bool has_mask = false;
+  // A bool mask: the cuDNN path turns it into a bias of 0 and -inf, which the
+  // score shift can raise exactly (score_shift.h).
+  bool bool_mask = false;
   double dropout_p = 0.0;
   // A call of openwam::sdpa_varlen on cuDNN's ragged layout (s_q, s_kv: the
   // longest sequences); openwam::sdpa's calls are never ragged.

@@ -12,8 +12,9 @@ namespace openwam {
 enum class CudnnPreference { kFollowPyTorch, kPrefer, kNever };
 
 // OPENWAM_SDPA_PAD: auto (default) = the guard table decides which calls need
-// a fix; always = every differentiated cuDNN backward takes the fix (cuDNN's
-// padding mask; on the ATen fallback, K/V padded to a multiple of 128); never
+// a fix; always = every differentiated cuDNN backward takes the fix (with a
+// bool mask the score shift; otherwise cuDNN's padding mask, and on the ATen
+// fallback K/V padded to a multiple of 128); never
 // = no fix at all (stock behaviour, for measuring). Rules that keep a call off
 // cuDNN (a crash) hold in every mode.
 enum class PadMode { kAuto, kAlways, kNever };

@@ -28,7 +28,8 @@ BWD = torch.ops.openwam._cudnn_sdpa_backward.default
 
 # Plan bits (csrc/plan.cpp).
 PADDING_MASK, PAD_KEYS_BACKWARD, PAD_KEYS_FORWARD, PAD_QUERY_BACKWARD = 1, 2, 4, 8
-KEY_TAIL = PADDING_MASK | PAD_KEYS_BACKWARD  # a key-tail guard row's plan
+SHIFT_SCORES = 16
+KEY_TAIL = PADDING_MASK | PAD_KEYS_BACKWARD  # a key-tail guard row's plan (no bool mask)
 # Every plan the guard table and OPENWAM_SDPA_PAD give, by the name explain() shows.
 PLANS = {"none": 0, "padding_mask": PADDING_MASK,
          "padding_mask+pad_keys_backward": KEY_TAIL,
@@ -90,6 +91,48 @@ def test_every_plan_gives_the_unpadded_attention(case, plan):
     for name, a, b, x in zip(("dq", "dk", "dv"), g, ref[1:], (q, k, v)):
         assert a.shape == x.shape and a.stride() == torch.empty_like(x).stride(), name
         assert_close(a.double(), b, 5e-5, 5e-5, name)
+
+
+BOOL_CASES = {name: c for name, c in CASES.items() if c.get("mask") in ("bool", "key_bool")}
+
+
+def lift_rows(q, k, rows):
+    """Query `rows` ((b, h, i) triples) pointed against a key component every
+    key shares, so that their logits are all about -110 and their
+    logsumexp far below -88.7: the rows the shift raises."""
+    E = q.shape[-1]
+    u = torch.full((E,), E ** -0.5)
+    with torch.no_grad():
+        k.add_(30 * u)
+        for b, h, i in rows:
+            q[b, h, i] = -(110 / (30 * E ** -0.5)) * u
+
+
+@pytest.mark.parametrize("case", BOOL_CASES.values(), ids=BOOL_CASES.keys())
+def test_shifted_scores_give_the_unshifted_attention(case):
+    """The plan shift_scores (a bool mask's key-tail fix) runs the backward on
+    the bias and the logsumexp raised by a power of two per bias row
+    (csrc/score_shift.h): the gradients must be the unshifted attention's,
+    and the bias the caller holds must come back unchanged."""
+    (q, k, v), mask, bias, causal = inputs(**case)
+    lift_rows(q, k, [(0, 1, 2), (1, 0, 4)])
+    grad_out = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=torch.Generator().manual_seed(3))
+    held = bias.clone()
+    out, lse, g = run(q, k, v, bias, causal, SHIFT_SCORES, grad_out)
+    assert lse.min() < -90  # the shift had rows to raise
+    assert torch.equal(bias, held)
+    ref, _ = reference(q, k, v, grad_out, mask, causal, enable_gqa=True)
+    assert_close(out.double(), ref.out, 2e-5, 2e-5, "out")
+    for name, a, b in zip(("dq", "dk", "dv"), g, ref[1:]):
+        assert_close(a.double(), b, 5e-5, 5e-5, name)
+
+
+def test_shift_scores_needs_a_bias():
+    (q, k, v), _, _, _ = inputs()
+    out, lse, seed, offset = FWD(q, k, v, None, 0.0, False, None, True, SHIFT_SCORES)
+    with pytest.raises(RuntimeError, match="the plan shift_scores is for calls with a bias"):
+        BWD(torch.ones_like(out), q, k, v, None, out, lse, seed, offset, 0.0, False, None,
+            SHIFT_SCORES)
 
 
 def test_double_backward_raises_as_pytorchs_fused_backwards():
@@ -236,7 +279,7 @@ def test_the_padding_mask_changes_nothing_on_the_cpu():
         assert all(torch.equal(a, b) for a, b in zip(a_g, b_g))
 
 
-@pytest.mark.parametrize("plan", [0, PADDING_MASK, KEY_TAIL])
+@pytest.mark.parametrize("plan", [0, PADDING_MASK, KEY_TAIL, SHIFT_SCORES])
 def test_fully_masked_rows_get_zero_output_and_gradient(plan):
     (q, k, v), _, _, _ = inputs()
     bias = torch.zeros(2, 1, 6, 70)
@@ -339,6 +382,7 @@ def test_invalid_plan_raises():
 OPCHECK = {
     "plain": dict(),
     "bool_mask_padding_mask": dict(mask="bool", plan=PADDING_MASK),
+    "bool_mask_shift_scores": dict(mask="bool", plan=SHIFT_SCORES),
     "causal_key_tail": dict(is_causal=True, plan=KEY_TAIL),
     "gqa_bshd": dict(H=4, Hkv=2, layout="bshd"),
     "one_row_pad_query": dict(one_row=True, plan=PAD_QUERY_BACKWARD | PADDING_MASK),
@@ -461,7 +505,7 @@ def test_compiled_autograd_over_an_eager_forward(op):
 
 FRONTEND_COUNTERS = ("forward_graphs_built", "backward_graphs_built", "ragged_graphs_built",
                      "graph_build_failures", "graph_cache_evictions", "aten_fallback_calls",
-                     "padding_mask_backwards", "lengths_written_per_call")
+                     "padding_mask_backwards", "lengths_written_per_call", "score_shift_backwards")
 
 
 def test_frontend_stats_count_nothing_on_the_cpu(ow):

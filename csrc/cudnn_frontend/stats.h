@@ -1,8 +1,9 @@
 // Telemetry of the cuDNN frontend path, read by openwam_sdpa.frontend_stats():
 // how many graphs were built (a steady state builds none; sdpa_varlen's
 // ragged graphs apart), how many could not be built, how many calls took the
-// ATen fallback, how many backward calls ran with the padding mask, and how
-// many of those wrote its lengths per call (a steady state writes none).
+// ATen fallback, how many backward calls ran with the padding mask, how many
+// of those wrote its lengths per call (a steady state writes none), and how
+// many ran on shifted scores (score_shift.h).
 // Host counters only: reading them never synchronises. A CUDA graph replay
 // runs no host code and counts nothing.
 #pragma once
@@ -23,6 +24,7 @@ struct Stats {
   // Padding-mask backwards whose full lengths were written for the call
   // alone, not read from the device's table (full_lengths.h says when).
   std::atomic<int64_t> lengths_written_per_call{0};
+  std::atomic<int64_t> score_shift_backwards{0};
 };
 
 inline Stats& stats() {

@@ -100,6 +100,7 @@ py::dict frontend_stats(bool reset) {
   d["aten_fallback_calls"] = read(s.aten_fallback_calls);
   d["padding_mask_backwards"] = read(s.padding_mask_backwards);
   d["lengths_written_per_call"] = read(s.lengths_written_per_call);
+  d["score_shift_backwards"] = read(s.score_shift_backwards);
   py::list failures;
 #ifdef OPENWAM_WITH_CUDNN_FRONTEND
   for (const auto& f : openwam::frontend::build_failures()) failures.append(f);

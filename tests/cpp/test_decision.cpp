@@ -87,6 +87,12 @@ std::string rule_of(const Decision& d) {
 // A differentiated call that 9.19.0 hits with the key-tail defect.
 Inputs key_tail_call() { return bhsd(2, 4, 8, 320, 64); }
 
+// `in` with a bool key mask [B, 1, 1, S] that keeps every key.
+Inputs masked(Inputs in) {
+  in.attn_mask = at::ones({in.query.size(0), 1, 1, in.key.size(-2)}, at::kBool);
+  return in;
+}
+
 }  // namespace
 
 TEST_CASE("decide: route names", "[decision]") {
@@ -555,6 +561,8 @@ TEST_CASE("decide: OPENWAM_SDPA_PAD=auto takes the guard table's plan", "[decisi
       {causal, k9_19_0, "none", "<none>"},                     // measured clean
       {bhsd(2, 4, 8, 300, 64), k9_19_0, "none", "<none>"},     // r != 64
       {bhsd(2, 4, 8, 300, 96), k9_19_0, "padding_mask+pad_keys_backward", "key_tail_nan_dq"},
+      {masked(bhsd(2, 4, 8, 320, 64)), k9_19_0, "shift_scores", "key_tail_nan_dq_9.19"},
+      {masked(dropout), k9_19_0, "shift_scores", "key_tail_nan_dq_9.19"},
       {bhsd(2, 4, 8, 300, 64), k9_25_1, "padding_mask+pad_keys_backward", "key_tail_nan_dq"},
       {bhsd(2, 4, 8, 300, 64), k9_26_0, "none", "<none>"},     // fixed
       {bhsd(1, 4, 1, 256, 64), k9_19_0, "padding_mask+pad_query_backward",
@@ -610,6 +618,9 @@ TEST_CASE("decide: OPENWAM_SDPA_PAD=always: the padding mask on every backward, 
        "sq1_nan_dk_dv_9.19"},
       {bhsd(1, 4, 1, 300, 64), k9_19_0, "padding_mask+pad_keys_backward+pad_query_backward",
        "sq1_nan_dk_dv_9.19"},
+      // A bool mask: the score shift, key tail or not.
+      {masked(bhsd(2, 4, 8, 320, 64)), k9_19_0, "shift_scores", "key_tail_nan_dq_9.19"},
+      {masked(bhsd(2, 4, 8, 256, 64)), k9_19_0, "shift_scores", "<none>"},
   };
   for (const Case& c : cases) {
     CAPTURE(c.in.query.sizes(), c.in.key.sizes(), c.in.dropout_p, c.version);

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "guards.h"
@@ -354,6 +355,34 @@ TEST_CASE("check_guards: the key-tail rows take the padding mask, the fallback p
     CHECK(verdict.plan.to_string() == "padding_mask+pad_keys_forward");
     CHECK(name_of(verdict.first_hit) == c.rule);
   }
+}
+
+TEST_CASE("check_guards: with a bool mask the key-tail rows shift the scores", "[guards]") {
+  // A bool mask's bias holds 0 and -inf, which the score shift raises exactly
+  // (score_shift.h): on either engine, with dropout too, no padding.
+  for (const auto& [version, s_kv, head_dim] :
+       {std::tuple{k9_19_0, 320, 64}, std::tuple{k9_19_0, 704, 128},
+        std::tuple{k9_19_0, 300, 96}, std::tuple{k9_25_1, 129, 128}}) {
+    CAPTURE(version, s_kv, head_dim);
+    for (const double dropout_p : {0.0, 0.25}) {
+      CallShape s = shape(2, 4, 8, s_kv, head_dim, false, dropout_p);
+      s.has_mask = s.bool_mask = true;
+      CHECK(openwam::check_guards(s, version).plan.to_string() == "shift_scores");
+      s.bool_mask = false;  // an additive mask keeps the padding mask
+      CHECK(openwam::check_guards(s, version).plan.to_string() ==
+            (dropout_p > 0.0 ? "padding_mask+pad_keys_forward" : "padding_mask+pad_keys_backward"));
+    }
+  }
+  // Batch 1, one query row, on the key tail: the one-row fix keeps its own
+  // backward; the shift applies where that one runs cuDNN (with dropout).
+  CallShape s = shape(1, 4, 1, 320, 64);
+  s.has_mask = s.bool_mask = true;
+  CHECK(openwam::check_guards(s, k9_19_0).plan.to_string() ==
+        "padding_mask+shift_scores+pad_query_backward");
+  // Clean key lengths take nothing, mask or not.
+  s = shape(2, 4, 8, 256, 64);
+  s.has_mask = s.bool_mask = true;
+  CHECK(openwam::check_guards(s, k9_19_0).plan.none());
 }
 
 TEST_CASE("check_guards: a value head_dim of its own takes the same plan", "[guards]") {

@@ -130,10 +130,12 @@ def test_openwam_adversarial_rows(case, setting, ow, settings, suite_results):
 
     info = ow.explain(q, k, v, attn_mask=p.mask)
     assert info["backend"] == "cudnn", info
-    # Both settings fix these calls with cuDNN's padding mask (K/V padding
-    # where the frontend cannot build the graph).
+    # Both settings fix these calls: a bool mask's bias by the score shift,
+    # the others with cuDNN's padding mask (K/V padding where the frontend
+    # cannot build the graph).
     if setting == "always" or stock_defect_measured(case.s_kv, case.D):
-        assert info["plan"] == "padding_mask+pad_keys_backward", info
+        want = "shift_scores" if case.mask == "bool" else "padding_mask+pad_keys_backward"
+        assert info["plan"] == want, info
         assert info["engine"] == "cudnn_frontend", info
 
     ours = run(ow.sdpa, q, k, v, p.go, attn_mask=p.mask)

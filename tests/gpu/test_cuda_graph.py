@@ -31,21 +31,25 @@ def _inputs(seed, batch=B):
     return q, k, v, go
 
 
+@pytest.mark.parametrize("mask_kind", ["none", "bool"])
 @pytest.mark.parametrize("warm_up", ["forward_backward", "forward"])
-def test_forward_backward_replays_in_cuda_graph(warm_up, ow, settings):
-    """Warmed up with a backward, the capture reads the padding mask's lengths
-    from the device's table; warmed up with a forward only (graphs built, no
-    lengths yet), it writes its own into the graph's pool. Either replays."""
+def test_forward_backward_replays_in_cuda_graph(warm_up, mask_kind, ow, settings):
+    """Without a mask: warmed up with a backward, the capture reads the padding
+    mask's lengths from the device's table; warmed up with a forward only
+    (graphs built, no lengths yet), it writes its own into the graph's pool.
+    With a bool mask the backward runs on shifted scores, whose shift the
+    capture computes on the device from each replay's logsumexp. Each
+    replays."""
     settings(cudnn="1", pad="auto")
     # The forward-only case needs a configuration new to the process's table
     # of lengths (keyed by the batch rounded up to 4, s_q and s_kv): batch 5.
     batch = B if warm_up == "forward_backward" else 5
-    mask = cuda_mask("bool", batch, 1, S_Q, S_KV, seed=3)
+    mask = cuda_mask(mask_kind, batch, 1, S_Q, S_KV, seed=3)
     static_q, static_k, static_v, static_go = (t.clone() for t in _inputs(10, batch))
     for t in (static_q, static_k, static_v):
         t.requires_grad_()
-    assert ow.explain(static_q, static_k, static_v, attn_mask=mask)["plan"].startswith(
-        "padding_mask")
+    plan = ow.explain(static_q, static_k, static_v, attn_mask=mask)["plan"]
+    assert plan == ("shift_scores" if mask_kind == "bool" else "padding_mask+pad_keys_backward")
 
     def step():
         out = ow.sdpa(static_q, static_k, static_v, attn_mask=mask)
@@ -71,7 +75,7 @@ def test_forward_backward_replays_in_cuda_graph(warm_up, ow, settings):
     with torch.cuda.graph(graph):
         static_out = step()
     written = ow.frontend_stats()["lengths_written_per_call"] - per_call
-    assert written == (0 if warm_up == "forward_backward" else 1), written
+    assert written == (0 if warm_up == "forward_backward" or mask_kind == "bool" else 1), written
 
     # Replay on fresh data, twice, each time against eager on the same data.
     for seed in (20, 30):

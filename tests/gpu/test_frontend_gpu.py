@@ -289,22 +289,26 @@ def test_slices_of_a_packed_qkv_projection(ow, s_kv):
         assert err < 2e-2, (name, err)
 
 
-def test_dropout_pattern_shared_by_forward_and_backward(ow):
+@pytest.mark.parametrize("masked", [False, True], ids=["padding_mask", "shift_scores"])
+def test_dropout_pattern_shared_by_forward_and_backward(ow, masked):
     """With value = identity (64 keys, head_dim 64), the output is the dropped
     probability matrix itself, so the backward's dV must be out^T @ dO
     exactly when the backward replays the forward's dropout pattern. The key
-    length is at residue 64: the backward runs with the padding mask (and,
-    since this check, the forward too)."""
+    length is at residue 64: without a mask the backward runs with the
+    padding mask (and, since this check, the forward too); with a bool mask
+    (every key kept) on shifted scores."""
     g = torch.Generator(device="cuda").manual_seed(14)
     b, h, s_q, s_kv = 2, 4, 96, 64
     q = torch.randn(b, h, s_q, 64, device="cuda", dtype=torch.bfloat16, generator=g)
     k = torch.randn(b, h, s_kv, 64, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.eye(64, device="cuda", dtype=torch.bfloat16).expand(b, h, 64, 64).contiguous()
     v.requires_grad_()
-    info = ow.explain(q, k, v.detach().requires_grad_(), dropout_p=0.25)
-    assert info["engine"] == "cudnn_frontend" and info["plan"].startswith("padding_mask"), info
+    mask = torch.ones(b, 1, s_q, s_kv, device="cuda", dtype=torch.bool) if masked else None
+    info = ow.explain(q, k, v.detach().requires_grad_(), attn_mask=mask, dropout_p=0.25)
+    plan = "shift_scores" if masked else "padding_mask"
+    assert info["engine"] == "cudnn_frontend" and info["plan"].startswith(plan), info
     go = torch.randn(b, h, s_q, 64, device="cuda", dtype=torch.bfloat16, generator=g)
-    out = ow.sdpa(q, k, v, dropout_p=0.25)
+    out = ow.sdpa(q, k, v, attn_mask=mask, dropout_p=0.25)
     (dv,) = torch.autograd.grad(out, (v,), go)
     dropped = (out == 0).float().mean().item()
     assert 0.15 < dropped < 0.35, dropped  # the pattern is a dropout's

@@ -1,0 +1,163 @@
+#include "score_shift.h"
+
+#include <ATen/Dispatch.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <limits>
+
+namespace openwam {
+namespace {
+
+void check_shift_inputs(const at::Tensor& bias, const at::Tensor& logsumexp) {
+  TORCH_INTERNAL_ASSERT(bias.dim() == 4 && logsumexp.dim() == 4 && logsumexp.size(3) == 1);
+  TORCH_INTERNAL_ASSERT(logsumexp.scalar_type() == at::kFloat && logsumexp.is_contiguous());
+  TORCH_INTERNAL_ASSERT(bias.device() == logsumexp.device());
+  for (int64_t d = 0; d < 3; ++d) {
+    TORCH_INTERNAL_ASSERT(bias.size(d) == 1 || bias.size(d) == logsumexp.size(d),
+                          "shift_scores: the bias must broadcast to the logsumexp's rows");
+  }
+}
+
+// The reference: one bias row at a time, as the CUDA kernel runs one per warp
+// or block. With lse_out null, the restore from `shifts`.
+template <typename T>
+void shift_cpu(const at::Tensor& bias, const at::Tensor& logsumexp, float* lse_out,
+               float* shifts, const ShiftRows& r, float cap) {
+  T* b = bias.data_ptr<T>();
+  const float* lse = logsumexp.const_data_ptr<float>();
+  const int64_t nh = r.broadcast[1] ? 1 : r.heads, nl = r.broadcast[2] ? 1 : r.rows;
+  for (int64_t g = 0; g < r.groups(); ++g) {
+    const int64_t gl = g % nl, gh = (g / nl) % nh, gb = g / (nl * nh);
+    const auto entry = [&](int64_t e) {  // the logsumexp index of entry e of row g
+      const int64_t el = r.broadcast[2] ? e % r.rows : gl;
+      const int64_t rest = r.broadcast[2] ? e / r.rows : e;
+      const int64_t eh = r.broadcast[1] ? rest % r.heads : gh;
+      const int64_t eb = r.broadcast[1] ? rest / r.heads : rest;
+      return ((r.broadcast[0] ? eb : gb) * r.heads + eh) * r.rows + el;
+    };
+    float c = 0.0f, sign = -1.0f;
+    if (lse_out != nullptr) {
+      float min_lse = std::numeric_limits<float>::infinity();
+      for (int64_t e = 0; e < r.entries(); ++e) {
+        const float x = lse[entry(e)];
+        if (std::isfinite(x)) {
+          min_lse = std::min(min_lse, x);
+        }
+      }
+      c = shift_of(min_lse, cap);
+      shifts[g] = c;
+      sign = 1.0f;
+      for (int64_t e = 0; e < r.entries(); ++e) {
+        const int64_t i = entry(e);
+        const float x = lse[i];
+        lse_out[i] = x == -std::numeric_limits<float>::infinity()
+                         ? std::numeric_limits<float>::max()
+                         : x + c;
+      }
+    } else {
+      c = shifts[g];
+    }
+    if (c == 0.0f) {
+      continue;
+    }
+    T* row = b + gb * r.strides[0] + gh * r.strides[1] + gl * r.strides[2];
+    for (int64_t j = 0; j < r.keys; ++j) {
+      T& v = row[j * r.key_stride];
+      const float x = static_cast<float>(v);
+      if (std::isfinite(x)) {
+        v = static_cast<T>(x + sign * c);
+      }
+    }
+  }
+}
+
+void run(const at::Tensor& bias, const at::Tensor& logsumexp, float* lse_out, float* shifts) {
+  check_shift_inputs(bias, logsumexp);
+  const ShiftRows rows = shift_rows(bias, logsumexp);
+  if (rows.groups() == 0 || rows.entries() == 0) {
+    return;
+  }
+#ifdef OPENWAM_WITH_CUDA
+  if (bias.is_cuda()) {
+    launch_score_shift(bias, logsumexp, lse_out, shifts, rows);
+    return;
+  }
+#endif
+  const float cap = shift_cap(bias.scalar_type());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, bias.scalar_type(), "shift_scores", [&] {
+    shift_cpu<scalar_t>(bias, logsumexp, lse_out, shifts, rows, cap);
+  });
+}
+
+}  // namespace
+
+ShiftRows shift_rows(const at::Tensor& bias, const at::Tensor& logsumexp) {
+  ShiftRows r{};
+  r.batch = logsumexp.size(0);
+  r.heads = logsumexp.size(1);
+  r.rows = logsumexp.size(2);
+  for (int64_t d = 0; d < 3; ++d) {
+    // A stride-0 axis is one row in memory: every logsumexp reading it
+    // decides its c together.
+    r.broadcast[d] = bias.size(d) == 1 || bias.stride(d) == 0;
+    r.strides[d] = r.broadcast[d] ? 0 : bias.stride(d);
+  }
+  r.keys = bias.size(3);
+  r.key_stride = bias.stride(3);
+  return r;
+}
+
+float shift_of(float min_lse, float cap) {
+  if (!(min_lse < kShiftBelow)) {  // none below, or none finite (+inf)
+    return 0.0f;
+  }
+  return std::min(std::exp2(std::ceil(std::log2(-min_lse))), cap);
+}
+
+float shift_cap(at::ScalarType dtype) {
+  // A power of two: exact in the dtype, and its sum with 0 too. fp16 holds
+  // 2^15 (its largest finite value is 65504); bfloat16 and float, beyond any
+  // logsumexp of finite inputs, 2^126.
+  return dtype == at::kHalf ? 32768.0f : std::ldexp(1.0f, 126);
+}
+
+ShiftedScores shift_scores(const at::Tensor& bias, const at::Tensor& logsumexp) {
+  check_shift_inputs(bias, logsumexp);
+  const int64_t n = logsumexp.numel(), groups = shift_rows(bias, logsumexp).groups();
+  const at::Tensor buffer = at::empty({n + groups}, logsumexp.options());
+  ShiftedScores s{buffer.narrow(0, 0, n).view(logsumexp.sizes()), buffer.narrow(0, n, groups)};
+  run(bias, logsumexp, s.logsumexp.data_ptr<float>(), s.shifts.data_ptr<float>());
+  return s;
+}
+
+void unshift_scores(const at::Tensor& bias, const ShiftedScores& shifted) {
+  run(bias, shifted.logsumexp, nullptr, shifted.shifts.data_ptr<float>());
+}
+
+ScopedScoreShift::ScopedScoreShift(bool on, const at::Tensor& bias, const at::Tensor& logsumexp)
+    : given_(logsumexp) {
+  if (!on) {
+    return;
+  }
+  TORCH_CHECK(bias.defined(), "openwam::_cudnn_sdpa_backward: the plan shift_scores is for "
+              "calls with a bias (a bool mask's), got none");
+  given_ = logsumexp.contiguous();
+  shifted_ = shift_scores(bias, given_);
+  bias_ = bias;
+}
+
+ScopedScoreShift::~ScopedScoreShift() {
+  if (!bias_.defined()) {
+    return;
+  }
+  try {
+    unshift_scores(bias_, shifted_);
+  } catch (const std::exception& e) {
+    // A destructor may not throw; a failed launch leaves CUDA's error set, and
+    // the next call raises it.
+    TORCH_WARN("openwam: restoring the bias after a shifted backward failed: ", e.what());
+  }
+}
+
+}  // namespace openwam

@@ -1,0 +1,101 @@
+// The score shift: the key-tail fix of a backward whose bias comes from a
+// bool mask (the plan shift_scores).
+//
+// Why: cuDNN's SDPA backward on sm90 (< 9.26, cudnn-frontend #160) scores the
+// key rows past s_kv in its last 128-key tile 0 instead of -inf. Their
+// probability is then exp(0 - lse), which overflows for a logsumexp below
+// -88.7, and inf * 0 (the zero K rows) is NaN in dQ. A softmax does not
+// change when every score of its row moves by one constant c: with the bias
+// raised by c and the logsumexp by c, the backward computes the same
+// gradients, and exp(0 - lse - c) <= 1 once lse + c >= 0. A bool mask's bias
+// holds 0 and -inf only, so 0 + c is exact for a power of two and -inf stays
+// -inf. Stock's own graph then runs the backward at stock's cost, where the
+// other fix, cuDNN's padding mask, is its slow corner with a bias (1.10x-1.23x
+// stock's fwd+bwd, docs/performance.md). Measured on an H100 (cuDNN 9.19.0,
+// ATen's wrappers, probe on branch probe/score-shift): 0 non-finite gradients
+// where stock had up to 852,480, batch 1 with one query row included, dQ
+// errors within the efficient backend's, dK and dV equal to stock's.
+//
+// The bias is shared by the query heads, and by the batch or the query rows
+// where it broadcasts, so c is one per bias row: the smallest power of two
+// that lifts every finite logsumexp reading that row to >= 0, or 0 where none
+// is below kShiftBelow (ordinary rows: stock's graph is right there, and runs
+// on exactly stock's inputs). A row that sees no key (logsumexp -inf) reads
+// the largest float instead, so its probabilities, and its gradients, are 0.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/macros/Macros.h>
+
+namespace openwam {
+
+// Bias rows whose smallest finite logsumexp is at least this are not shifted:
+// exp(0 - lse) <= e^32 there, far from float's overflow at e^88.7.
+constexpr float kShiftBelow = -32.0f;
+
+// What a shift leaves: the logsumexp the shifted backward reads, and each
+// bias row's c (for the restore), in one allocation.
+struct ShiftedScores {
+  at::Tensor logsumexp;  // [B, H, L, 1] float32, contiguous
+  at::Tensor shifts;     // one float per bias row
+};
+
+// In place: `bias` ([B|1, H|1, L|1, S] in the inputs' dtype; its finite
+// entries 0, as a bool mask's) raised by each row's c. The logsumexp it
+// returns is `logsumexp` ([B, H, L, 1] float32, contiguous) plus its row's c,
+// the largest float where it is -inf. Axes of `bias` of size 1 or stride 0
+// broadcast: c is then one for every row reading it.
+ShiftedScores shift_scores(const at::Tensor& bias, const at::Tensor& logsumexp);
+
+// `bias` back to what it held before the shift that gave `shifted`: each
+// row's c taken off again (exact for entries 0 and -inf).
+void unshift_scores(const at::Tensor& bias, const ShiftedScores& shifted);
+
+// The bias's rows as the shift sees them: the logsumexp's sizes, and whether
+// each of the bias's first three axes broadcasts.
+struct ShiftRows {
+  int64_t batch, heads, rows;       // the logsumexp's B, H, L
+  bool broadcast[3];                // the bias's B, H, L axes
+  int64_t strides[3];               // the bias's strides along them
+  int64_t keys, key_stride;         // S and its stride
+  // How many bias rows there are, and how many logsumexp entries read each.
+  C10_HOST_DEVICE int64_t groups() const {
+    return (broadcast[0] ? 1 : batch) * (broadcast[1] ? 1 : heads) * (broadcast[2] ? 1 : rows);
+  }
+  C10_HOST_DEVICE int64_t entries() const {
+    return (broadcast[0] ? batch : 1) * (broadcast[1] ? heads : 1) * (broadcast[2] ? rows : 1);
+  }
+};
+ShiftRows shift_rows(const at::Tensor& bias, const at::Tensor& logsumexp);
+
+// c for a bias row whose smallest finite logsumexp is `min_lse` (+inf when
+// none is finite); `cap` bounds it where the dtype cannot hold a larger one.
+float shift_of(float min_lse, float cap);
+// The largest c the bias's dtype holds exactly beside -inf and 0.
+float shift_cap(at::ScalarType dtype);
+
+// shift_scores for one scope, where `on`: the bias is restored when the scope
+// ends, by an exception too. logsumexp() is what the backward reads.
+class ScopedScoreShift {
+ public:
+  ScopedScoreShift(bool on, const at::Tensor& bias, const at::Tensor& logsumexp);
+  ~ScopedScoreShift();
+  ScopedScoreShift(const ScopedScoreShift&) = delete;
+  ScopedScoreShift& operator=(const ScopedScoreShift&) = delete;
+  const at::Tensor& logsumexp() const {
+    return shifted_.logsumexp.defined() ? shifted_.logsumexp : given_;
+  }
+
+ private:
+  at::Tensor bias_, given_;
+  ShiftedScores shifted_;
+};
+
+#ifdef OPENWAM_WITH_CUDA
+// The CUDA kernels (csrc/cuda/score_shift.cu): the shift, which writes
+// `lse_out` and `shifts`; with lse_out null, the restore from `shifts`.
+void launch_score_shift(const at::Tensor& bias, const at::Tensor& logsumexp, float* lse_out,
+                        float* shifts, const ShiftRows& rows);
+#endif
+
+}  // namespace openwam

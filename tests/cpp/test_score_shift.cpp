@@ -1,0 +1,134 @@
+// The score shift (csrc/score_shift.h) on the CPU: c per bias row, the
+// shifted logsumexp, the bias restored bit for bit, and the backward on
+// shifted scores equal to the unshifted one. The CUDA kernel is compared with
+// this reference in tests/gpu/test_adversarial.py.
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <limits>
+
+#include "reference_attention.h"
+#include "score_shift.h"
+#include "support.h"
+
+using openwam_test::max_abs_diff;
+
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// A bool mask's bias: 0 where kept, -inf where hidden.
+at::Tensor bias_of(const at::Tensor& keep, at::ScalarType dtype) {
+  return at::zeros(keep.sizes(), at::TensorOptions().dtype(dtype))
+      .masked_fill(keep.logical_not(), -kInf);
+}
+
+}  // namespace
+
+TEST_CASE("shift_of: a power of two that lifts the row to >= 0, only below -32", "[shift]") {
+  const float cap = openwam::shift_cap(at::kBFloat16);
+  CHECK(openwam::shift_of(kInf, cap) == 0.0f);    // no finite logsumexp
+  CHECK(openwam::shift_of(5.0f, cap) == 0.0f);
+  CHECK(openwam::shift_of(-32.0f, cap) == 0.0f);  // ordinary rows: untouched
+  CHECK(openwam::shift_of(-32.5f, cap) == 64.0f);
+  CHECK(openwam::shift_of(-103.0f, cap) == 128.0f);
+  CHECK(openwam::shift_of(-128.0f, cap) == 128.0f);
+  CHECK(openwam::shift_of(-65504.0f, cap) == 65536.0f);
+  // fp16 holds 2^15 at most beside 0: larger shifts stop there.
+  CHECK(openwam::shift_of(-65504.0f, openwam::shift_cap(at::kHalf)) == 32768.0f);
+}
+
+TEST_CASE("shift_rows: broadcast axes and axes of stride 0 share one c", "[shift]") {
+  const at::Tensor lse = at::zeros({2, 3, 5, 1});
+  const auto rows = [&](const at::Tensor& bias) { return openwam::shift_rows(bias, lse); };
+  auto r = rows(at::zeros({2, 1, 5, 7}));
+  CHECK(r.groups() == 10);
+  CHECK(r.entries() == 3);
+  r = rows(at::zeros({2, 1, 1, 7}));  // a key mask: one row per batch element
+  CHECK(r.groups() == 2);
+  CHECK(r.entries() == 15);
+  r = rows(at::zeros({1, 1, 5, 7}).expand({2, 3, 5, 7}));  // expanded: stride 0
+  CHECK(r.groups() == 5);
+  CHECK(r.entries() == 6);
+  r = rows(at::zeros({2, 3, 5, 7}));
+  CHECK(r.groups() == 30);
+  CHECK(r.entries() == 1);
+}
+
+TEST_CASE("shift_scores: each bias row's c, -inf rows to the largest float, bias restored",
+          "[shift]") {
+  for (const at::ScalarType dtype : {at::kBFloat16, at::kHalf, at::kFloat}) {
+    // [B=2, 1, L=3, S=4] bias; logsumexp [2, H=2, 3, 1].
+    at::Tensor keep = at::ones({2, 1, 3, 4}, at::kBool);
+    keep.index_put_({1, 0, 2}, false);  // row (1, 2) sees no key
+    keep.index_put_({0, 0, 1, 3}, false);
+    const at::Tensor bias = bias_of(keep, dtype);
+    const at::Tensor before = bias.clone();
+    const at::Tensor lse = at::tensor({1.0f, -40.0f, 2.0f,     // b0 h0
+                                       3.0f, 0.5f, -103.0f,    // b0 h1
+                                       -1.0f, -20.0f, -kInf,   // b1 h0
+                                       4.0f, -33.0f, -kInf})   // b1 h1
+                               .reshape({2, 2, 3, 1});
+    const openwam::ShiftedScores s = openwam::shift_scores(bias, lse);
+    const at::Tensor& shifted = s.logsumexp;
+    // Row (b, i): c from the smallest finite logsumexp over the heads.
+    const float c[2][3] = {{0.0f, 64.0f, 128.0f}, {0.0f, 64.0f, 0.0f}};
+    for (int b = 0; b < 2; ++b) {
+      for (int h = 0; h < 2; ++h) {
+        for (int i = 0; i < 3; ++i) {
+          const float x = lse[b][h][i][0].item<float>();
+          const float want = std::isinf(x) ? std::numeric_limits<float>::max() : x + c[b][i];
+          CHECK(shifted[b][h][i][0].item<float>() == want);
+        }
+      }
+      for (int i = 0; i < 3; ++i) {
+        const at::Tensor row = bias[b][0][i].to(at::kFloat);
+        const at::Tensor want = before[b][0][i].to(at::kFloat) + c[b][i];
+        CHECK(at::equal(row, want));  // -inf + c is -inf
+      }
+    }
+    CHECK(at::equal(s.shifts, at::tensor({0.0f, 64.0f, 128.0f, 0.0f, 64.0f, 0.0f})));
+    openwam::unshift_scores(bias, s);
+    CHECK(at::equal(bias, before));
+  }
+}
+
+TEST_CASE("shift_scores: the backward on shifted scores is the unshifted one", "[shift]") {
+  // Rows of very negative logits (logsumexp near -100), a row that sees no
+  // key, and bias shapes that broadcast three ways; fp32 reference attention.
+  const int64_t B = 2, H = 3, L = 5, S = 9, E = 8;
+  at::manual_seed(0);
+  const at::Tensor u = at::full({E}, 1.0 / std::sqrt(static_cast<double>(E)));
+  const at::Tensor k = at::randn({B, H, S, E}) * 0.5 + 30.0 * u;
+  const at::Tensor v = at::randn({B, H, S, E});
+  at::Tensor q = at::randn({B, H, L, E});
+  q.index_put_({0, 1, 2}, -(110.0 / (30.0 / std::sqrt(static_cast<double>(E)))) * u);
+  q.index_put_({1, 0, 4}, -(110.0 / (30.0 / std::sqrt(static_cast<double>(E)))) * u);
+  const at::Tensor go = at::randn({B, H, L, E});
+  at::Tensor keep = at::rand({B, 1, L, S}) > 0.3;
+  keep.index_put_({at::indexing::Slice(), 0, at::indexing::Slice(), 0}, true);
+  keep.index_put_({1, 0, 3}, false);  // a row that sees no key
+  for (const at::Tensor& mask : {keep, keep.index({at::indexing::Slice(), at::indexing::Slice(),
+                                                   at::indexing::Slice(0, 1)}),
+                                 keep.index({at::indexing::Slice(0, 1)})}) {
+    const at::Tensor bias = bias_of(mask, at::kFloat);
+    const auto [out, lse] = openwam::reference_forward(q, k, v, bias, false, std::nullopt);
+    CHECK(lse.isfinite().logical_not().sum().item<int64_t>() <= H * 1);
+    CHECK(lse.nan_to_num(0, 0, 0).min().item<float>() < -90.0f);
+    const auto [dq0, dk0, dv0] =
+        openwam::reference_backward(go, q, k, v, out, lse, bias, false, std::nullopt);
+    const at::Tensor before = bias.clone();
+    const openwam::ShiftedScores s = openwam::shift_scores(bias, lse);
+    const at::Tensor& shifted = s.logsumexp;
+    CHECK(shifted.min().item<float>() >= 0.0f);  // no row below 0: the defect cannot fire
+    CHECK_FALSE(at::equal(bias, before));
+    const auto [dq, dk, dv] =
+        openwam::reference_backward(go, q, k, v, out, shifted, bias, false, std::nullopt);
+    openwam::unshift_scores(bias, s);
+    CHECK(at::equal(bias, before));
+    for (const auto& [a, b] : {std::pair{dq, dq0}, std::pair{dk, dk0}, std::pair{dv, dv0}}) {
+      CHECK(a.isfinite().all().item<bool>());
+      CHECK(max_abs_diff(a, b) <= 1e-4 * b.abs().max().item<double>());
+    }
+  }
+}
