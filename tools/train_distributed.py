@@ -336,11 +336,12 @@ def measured(fn, device, *args, **kwargs):
         torch.cuda.synchronize(device)
         result["peak_memory_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     result["seconds"] = time.perf_counter() - start
-    # On this rank: backward calls that ran with cuDNN's padding mask (the
-    # fix), and calls that took ATen's cuDNN attention with padded inputs
+    # On this rank: backward calls that ran with cuDNN's padding mask or on
+    # shifted scores (the fixes), and calls that took ATen's cuDNN attention
     # instead (a graph the frontend could not build); 0 on the CPU.
     stats = openwam_sdpa.frontend_stats(reset=True)
     result["padding_mask_backwards"] = stats["padding_mask_backwards"]
+    result["score_shift_backwards"] = stats["score_shift_backwards"]
     result["aten_fallback_calls"] = stats["aten_fallback_calls"]
     return result
 

@@ -204,10 +204,11 @@ def frontend_stats(reset: bool = False) -> dict:
     configurations that could not be built (each such call runs on ATen's
     cuDNN attention with padded inputs; the list names the first 64), graphs
     evicted from the cache, calls that took that fallback, backward calls
-    that ran with cuDNN's padding mask (the fix), and those of them that
-    wrote the mask's lengths for the call alone (a new configuration inside a
-    CUDA-graph capture, or the device's table of lengths full; otherwise a
-    configuration writes them once). Host counters: reading them
+    that ran with cuDNN's padding mask (the fix without a bool mask), those of
+    them that wrote the mask's lengths for the call alone (a new configuration
+    inside a CUDA-graph capture, or the device's table of lengths full;
+    otherwise a configuration writes them once), and backward calls that ran
+    on shifted scores (a bool mask's fix). Host counters: reading them
     never synchronises; a CUDA graph replay counts nothing. reset=True zeroes
     them (not the list)."""
     return _C.frontend_stats(reset)
