@@ -334,6 +334,8 @@ void check_forward_plan(const char* op, const Plan& plan, const std::optional<at
   TORCH_CHECK(!plan.pad_query_backward || query.sym_size(2) == 1, op,
               ": the plan pad_query_backward is for a single query row, got ",
               query.sym_size(2), " rows");
+  TORCH_CHECK(!plan.shift_scores || bias.has_value(), op,
+              ": the plan shift_scores is for calls with a bias (a bool mask's), got none");
 }
 
 // The kernels of the two ops for an engine (registered below per dispatch key).
@@ -612,9 +614,6 @@ Tensors3 frontend_backward(const at::Tensor& grad_out, const at::Tensor& query,
                                   plan.padding_mask, grads, why_not);
   }
   if (ran) {
-    if (plan.shift_scores) {
-      frontend::stats().score_shift_backwards++;
-    }
     return finish_backward(std::move(grads), query, key, logsumexp, plan);
   }
   note_fallback(why_not, plan);

@@ -35,7 +35,8 @@ Decision routed(Route route, const char* reason) {
 }
 
 // The plan for a differentiated cuDNN call under the OPENWAM_SDPA_PAD mode.
-Plan plan_for(const GuardVerdict& verdict, const CallShape& shape, PadMode pad) {
+Plan plan_for(const GuardVerdict& verdict, const CallShape& shape, long cudnn_version,
+              PadMode pad) {
   switch (pad) {
     case PadMode::kNever:
       return Plan{};
@@ -43,7 +44,7 @@ Plan plan_for(const GuardVerdict& verdict, const CallShape& shape, PadMode pad) 
       // Every differentiated backward takes the fix, whether or not a rule
       // marks the call affected.
       Plan p = verdict.plan;
-      if (shape.bool_mask) {
+      if (score_shift_measured(shape, cudnn_version)) {
         p.shift_scores = true;
         return p;
       }
@@ -83,7 +84,7 @@ TrainingPlan training_plan(const SdpaCall& call, long cudnn_version, PadMode pad
   const CallShape shape = shape_of(call);
   TrainingPlan t;
   t.verdict = check_guards(shape, cudnn_version);
-  t.plan = plan_for(t.verdict, shape, pad);
+  t.plan = plan_for(t.verdict, shape, cudnn_version, pad);
   return t;
 }
 

@@ -18,6 +18,19 @@ constexpr long k9_26_0 = cudnn_version(9, 26, 0);
 // nothing says a later cuDNN fixed it (conservative where unmeasured).
 constexpr long kNoFixKnown = std::numeric_limits<long>::max();
 
+}  // namespace
+
+// The score shift rests on the defect's mechanism (the tail scored 0), which
+// this project measured on 9.19.0: the probe on branch probe/score-shift
+// (head_dim 64-256, bf16 and fp16, H100) and the GPU suite and fuzz since.
+// Other versions keep the padding mask, which bounds the tile whatever the
+// mechanism (conservative where unmeasured).
+bool score_shift_measured(const CallShape& shape, long cudnn_version) {
+  return shape.bool_mask && cudnn_version == k9_19_0;
+}
+
+namespace {
+
 // The key-tail sweep on the H200 covered cuDNN 9.19.0 at head_dim 64 and 128,
 // the value's head_dim the query's (d_v 64 under d_qk 128 was not swept).
 bool key_tail_measured_stack(long version, const CallShape& s) {
@@ -91,14 +104,15 @@ constexpr const char* kRaggedSource =
     "related: TransformerEngine #3249, pytorch #186142 (why not ATen's ragged call)";
 
 // Both key-tail rows. A bool mask's bias takes the score shift (score_shift.h
-// says why), on either engine; padding.h's shim_takes_bias says why the shim
-// takes an additive mask whose keys it grows by at most 1/32.
+// says why), on either engine, on the version it was measured on; padding.h's
+// shim_takes_bias says why the shim takes an additive mask whose keys it grows
+// by at most 1/32.
 constexpr const char* kKeyTailAction =
-    "with a bool mask, the backward runs on scores shifted so that no logsumexp is below 0 "
-    "(the mask's bias and the logsumexp raised by one power of two per bias row); without a "
-    "mask, with cuDNN's padding mask; with an additive mask, with the padding mask, or (no "
-    "dropout, at most 1/32 more keys to the next multiple of 128) on K, V and the mask "
-    "padded to it (ATen fallback: K/V padded to a multiple of 128)";
+    "with a bool mask on cuDNN 9.19.0, the backward runs on scores shifted so that no "
+    "logsumexp is below 0 (the mask's bias and the logsumexp raised by one power of two per "
+    "bias row); otherwise with cuDNN's padding mask, or, with a mask (no dropout) and at most "
+    "1/32 more keys to the next multiple of 128, on K, V and the mask padded to it (ATen "
+    "fallback: K/V padded to a multiple of 128)";
 
 const std::vector<GuardRule>& table() {
   static const std::vector<GuardRule> rules = {
@@ -262,7 +276,7 @@ GuardVerdict check_guards(const CallShape& shape, long cudnn_version) {
         verdict.avoid = &rule;
         return verdict;
       case Fix::kKeyTail:
-        if (shape.bool_mask) {
+        if (score_shift_measured(shape, cudnn_version)) {
           verdict.plan.shift_scores = true;
         } else {
           verdict.plan.padding_mask = true;

@@ -37,8 +37,8 @@ struct VersionRange {
 // What a rule does to a differentiated call it hits.
 enum class Fix {
   kAvoidCudnn,       // no fix on cuDNN: the call runs on PyTorch's next backend
-  kKeyTail,          // the key-tail dQ defect: with a bool mask the score
-                     // shift (both engines); otherwise cuDNN's padding mask on
+  kKeyTail,          // the key-tail dQ defect: with a bool mask on 9.19.0 the
+                     // score shift (both engines); otherwise cuDNN's padding mask on
                      // the frontend, and on the ATen fallback K/V padded to a
                      // multiple of 128 (with dropout, in the forward too)
   kSingleQueryRow,   // the one-query-row dK/dV defect: the backward in fp32
@@ -99,6 +99,10 @@ GuardVerdict check_guards(const CallShape& shape, long cudnn_version);
 // the runtime cuDNN give NaN in dQ for this key length and head_dim?
 bool key_tail_defect(long cudnn_version, int64_t s_kv, int64_t head_dim,
                      bool is_causal);
+
+// Whether a key-tail fix may be the score shift (score_shift.h): a bool
+// mask's call, on a cuDNN the shift was measured on.
+bool score_shift_measured(const CallShape& shape, long cudnn_version);
 
 // One warning per process per rule.
 void warn_once(const GuardRule& rule);

@@ -1,10 +1,13 @@
 #include "score_shift.h"
 
 #include <ATen/Dispatch.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
 #include <limits>
+
+#include "cudnn_frontend/stats.h"
 
 namespace openwam {
 namespace {
@@ -23,19 +26,13 @@ void check_shift_inputs(const at::Tensor& bias, const at::Tensor& logsumexp) {
 // or block. With lse_out null, the restore from `shifts`.
 template <typename T>
 void shift_cpu(const at::Tensor& bias, const at::Tensor& logsumexp, float* lse_out,
-               float* shifts, const ShiftRows& r, float cap) {
+               float* shifts, const ShiftRows& r, ShiftLimits limits) {
   T* b = bias.data_ptr<T>();
   const float* lse = logsumexp.const_data_ptr<float>();
-  const int64_t nh = r.broadcast[1] ? 1 : r.heads, nl = r.broadcast[2] ? 1 : r.rows;
   for (int64_t g = 0; g < r.groups(); ++g) {
-    const int64_t gl = g % nl, gh = (g / nl) % nh, gb = g / (nl * nh);
-    const auto entry = [&](int64_t e) {  // the logsumexp index of entry e of row g
-      const int64_t el = r.broadcast[2] ? e % r.rows : gl;
-      const int64_t rest = r.broadcast[2] ? e / r.rows : e;
-      const int64_t eh = r.broadcast[1] ? rest % r.heads : gh;
-      const int64_t eb = r.broadcast[1] ? rest / r.heads : rest;
-      return ((r.broadcast[0] ? eb : gb) * r.heads + eh) * r.rows + el;
-    };
+    int64_t gb, gh, gl;
+    r.row_of(g, gb, gh, gl);
+    const auto entry = [&](int64_t e) { return r.lse_index(gb, gh, gl, e); };
     float c = 0.0f, sign = -1.0f;
     if (lse_out != nullptr) {
       float min_lse = std::numeric_limits<float>::infinity();
@@ -45,7 +42,7 @@ void shift_cpu(const at::Tensor& bias, const at::Tensor& logsumexp, float* lse_o
           min_lse = std::min(min_lse, x);
         }
       }
-      c = shift_of(min_lse, cap);
+      c = shift_of(min_lse, limits);
       shifts[g] = c;
       sign = 1.0f;
       for (int64_t e = 0; e < r.entries(); ++e) {
@@ -61,7 +58,7 @@ void shift_cpu(const at::Tensor& bias, const at::Tensor& logsumexp, float* lse_o
     if (c == 0.0f) {
       continue;
     }
-    T* row = b + gb * r.strides[0] + gh * r.strides[1] + gl * r.strides[2];
+    T* row = b + r.bias_offset(gb, gh, gl);
     for (int64_t j = 0; j < r.keys; ++j) {
       T& v = row[j * r.key_stride];
       const float x = static_cast<float>(v);
@@ -84,9 +81,9 @@ void run(const at::Tensor& bias, const at::Tensor& logsumexp, float* lse_out, fl
     return;
   }
 #endif
-  const float cap = shift_cap(bias.scalar_type());
+  const ShiftLimits limits = shift_limits(bias.scalar_type());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, bias.scalar_type(), "shift_scores", [&] {
-    shift_cpu<scalar_t>(bias, logsumexp, lse_out, shifts, rows, cap);
+    shift_cpu<scalar_t>(bias, logsumexp, lse_out, shifts, rows, limits);
   });
 }
 
@@ -108,18 +105,11 @@ ShiftRows shift_rows(const at::Tensor& bias, const at::Tensor& logsumexp) {
   return r;
 }
 
-float shift_of(float min_lse, float cap) {
-  if (!(min_lse < kShiftBelow)) {  // none below, or none finite (+inf)
-    return 0.0f;
+ShiftLimits shift_limits(at::ScalarType dtype) {
+  if (dtype == at::kHalf) {
+    return {0.0f, 32768.0f};
   }
-  return std::min(std::exp2(std::ceil(std::log2(-min_lse))), cap);
-}
-
-float shift_cap(at::ScalarType dtype) {
-  // A power of two: exact in the dtype, and its sum with 0 too. fp16 holds
-  // 2^15 (its largest finite value is 65504); bfloat16 and float, beyond any
-  // logsumexp of finite inputs, 2^126.
-  return dtype == at::kHalf ? 32768.0f : std::ldexp(1.0f, 126);
+  return {-32.0f, std::ldexp(1.0f, 126)};
 }
 
 ShiftedScores shift_scores(const at::Tensor& bias, const at::Tensor& logsumexp) {
@@ -142,9 +132,19 @@ ScopedScoreShift::ScopedScoreShift(bool on, const at::Tensor& bias, const at::Te
   }
   TORCH_CHECK(bias.defined(), "openwam::_cudnn_sdpa_backward: the plan shift_scores is for "
               "calls with a bias (a bool mask's), got none");
+  // The shift writes each bias row once: no key axis of stride 0, no two rows
+  // in one place (the op's own bool-mask bias never has either).
+  TORCH_CHECK(bias.dim() == 4 && (bias.stride(3) == 1 || bias.size(3) <= 1) &&
+                  at::has_internal_overlap(bias) != at::MemOverlap::Yes,
+              "openwam::_cudnn_sdpa_backward: the plan shift_scores needs a 4-D bias of its "
+              "own, keys contiguous (a bool mask's, as openwam::sdpa makes it), got sizes ",
+              bias.sizes(), " and strides ", bias.strides());
   given_ = logsumexp.contiguous();
   shifted_ = shift_scores(bias, given_);
   bias_ = bias;
+  if (bias.is_cuda()) {
+    frontend::stats().score_shift_backwards++;
+  }
 }
 
 ScopedScoreShift::~ScopedScoreShift() {

@@ -23,21 +23,39 @@
 // is a second kernel launch. The restore is exact for 0 and -inf.
 //
 // The bias is shared by the query heads, and by the batch or the query rows
-// where it broadcasts, so c is one per bias row: the smallest power of two
-// that lifts every finite logsumexp reading that row to >= 0, or 0 where none
-// is below kShiftBelow (ordinary rows: stock's graph is right there, and runs
-// on exactly stock's inputs). A row that sees no key (logsumexp -inf) reads
-// the largest float instead, so its probabilities, and its gradients, are 0.
+// where it broadcasts, so c is one per bias row: a power of two that lifts
+// every finite logsumexp reading that row to >= 0, or 0 where none is below
+// the dtype's limit (ShiftLimits; ordinary rows: stock's graph is right
+// there, and runs on exactly stock's inputs). A row that sees no key
+// (logsumexp -inf) reads the largest float instead, so its probabilities, and
+// its gradients, are 0.
+//
+// The backward mutates a bias its op takes as read-only: every reader of it
+// (the forward, this backward) runs on the same stream, and the restore is
+// exact, so nothing outside the call sees the shift. A bias that is not the
+// op's own bool-mask bias (a direct call of the leaf op with this plan) must
+// hold 0 and -inf only too; the restore of other values rounds.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <c10/macros/Macros.h>
 
+#include <cmath>
+
 namespace openwam {
 
-// Bias rows whose smallest finite logsumexp is at least this are not shifted:
-// exp(0 - lse) <= e^32 there, far from float's overflow at e^88.7.
-constexpr float kShiftBelow = -32.0f;
+// Which bias rows a dtype shifts, and how far it can. Rows whose smallest
+// finite logsumexp is at least `below` keep c = 0; c is at most `cap`.
+// - bfloat16 (and float): below -32, where exp(0 - lse) <= e^32 stays far from
+//   float's and bfloat16's overflow at e^88.7; cap 2^126.
+// - float16: below 0. cuDNN's backward rounds dS to the inputs' dtype for its
+//   dQ product, and exp(0 - lse) passes fp16's largest value, 65504, from a
+//   logsumexp of -11.1 on (not measured: the GPU sweeps drew -88 and below).
+//   cap 2^15, fp16's largest power of two: a row below -32768 stays below 0.
+struct ShiftLimits {
+  float below, cap;
+};
+ShiftLimits shift_limits(at::ScalarType dtype);
 
 // What a shift leaves: the logsumexp the shifted backward reads, and each
 // bias row's c (for the restore), in one allocation.
@@ -71,14 +89,41 @@ struct ShiftRows {
   C10_HOST_DEVICE int64_t entries() const {
     return (broadcast[0] ? batch : 1) * (broadcast[1] ? heads : 1) * (broadcast[2] ? rows : 1);
   }
+  // Bias row g's (batch, head, row) along the axes that do not broadcast.
+  C10_HOST_DEVICE void row_of(int64_t g, int64_t& gb, int64_t& gh, int64_t& gl) const {
+    const int64_t nh = broadcast[1] ? 1 : heads, nl = broadcast[2] ? 1 : rows;
+    gl = g % nl;
+    gh = (g / nl) % nh;
+    gb = g / (nl * nh);
+  }
+  // The logsumexp index of entry e of bias row (gb, gh, gl): e runs over the
+  // axes that broadcast, the query row fastest.
+  C10_HOST_DEVICE int64_t lse_index(int64_t gb, int64_t gh, int64_t gl, int64_t e) const {
+    const int64_t el = broadcast[2] ? e % rows : gl;
+    const int64_t rest = broadcast[2] ? e / rows : e;
+    const int64_t eh = broadcast[1] ? rest % heads : gh;
+    const int64_t eb = broadcast[1] ? rest / heads : rest;
+    return ((broadcast[0] ? eb : gb) * heads + eh) * rows + el;
+  }
+  // The first element of bias row (gb, gh, gl).
+  C10_HOST_DEVICE int64_t bias_offset(int64_t gb, int64_t gh, int64_t gl) const {
+    return gb * strides[0] + gh * strides[1] + gl * strides[2];
+  }
 };
 ShiftRows shift_rows(const at::Tensor& bias, const at::Tensor& logsumexp);
 
 // c for a bias row whose smallest finite logsumexp is `min_lse` (+inf when
-// none is finite); `cap` bounds it where the dtype cannot hold a larger one.
-float shift_of(float min_lse, float cap);
-// The largest c the bias's dtype holds exactly beside -inf and 0.
-float shift_cap(at::ScalarType dtype);
+// none is finite): the power of two above -min_lse (frexpf and ldexpf, exact
+// where exp2f need not be), at least 1 (exact in fp16) and at most the cap.
+C10_HOST_DEVICE inline float shift_of(float min_lse, ShiftLimits limits) {
+  if (!(min_lse < limits.below)) {  // none below, or none finite (+inf)
+    return 0.0f;
+  }
+  int e = 0;
+  frexpf(-min_lse, &e);  // -min_lse < 2^e
+  const float c = ldexpf(1.0f, e < 0 ? 0 : e);
+  return c < limits.cap ? c : limits.cap;
+}
 
 // shift_scores for one scope, where `on`: the bias is restored when the scope
 // ends, by an exception too. logsumexp() is what the backward reads.

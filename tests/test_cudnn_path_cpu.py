@@ -127,11 +127,17 @@ def test_shifted_scores_give_the_unshifted_attention(case):
         assert_close(a.double(), b, 5e-5, 5e-5, name)
 
 
-def test_shift_scores_needs_a_bias():
-    (q, k, v), _, _, _ = inputs()
-    out, lse, seed, offset = FWD(q, k, v, None, 0.0, False, None, True, SHIFT_SCORES)
+def test_shift_scores_needs_a_bias_of_its_own():
+    """The forward refuses the plan without a bias (its backward could not
+    run it); the backward refuses a bias whose rows share memory (expanded),
+    which the in-place shift would write twice."""
+    (q, k, v), _, bias, _ = inputs(mask="bool")
     with pytest.raises(RuntimeError, match="the plan shift_scores is for calls with a bias"):
-        BWD(torch.ones_like(out), q, k, v, None, out, lse, seed, offset, 0.0, False, None,
+        FWD(q, k, v, None, 0.0, False, None, True, SHIFT_SCORES)
+    shared = bias[:1, :, :1].expand(bias.shape)
+    out, lse, seed, offset = FWD(q, k, v, shared, 0.0, False, None, True, SHIFT_SCORES)
+    with pytest.raises(RuntimeError, match="the plan shift_scores needs a 4-D bias of its own"):
+        BWD(torch.ones_like(out), q, k, v, shared, out, lse, seed, offset, 0.0, False, None,
             SHIFT_SCORES)
 
 

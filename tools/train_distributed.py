@@ -604,10 +604,12 @@ def main() -> int:
             r = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
         per_rank = [None] * world
         dist.all_gather_object(per_rank, (r.get("peak_memory_mib"), r.get("padding_mask_backwards"),
-                                          r.get("aten_fallback_calls")))
-        r["peak_memory_mib_per_rank"] = [m for m, _, _ in per_rank if m is not None]
-        r["padding_mask_backwards_per_rank"] = [n for _, n, _ in per_rank if n is not None]
-        r["aten_fallback_calls_per_rank"] = [n for _, _, n in per_rank if n is not None]
+                                          r.get("aten_fallback_calls"),
+                                          r.get("score_shift_backwards")))
+        r["peak_memory_mib_per_rank"] = [m for m, _, _, _ in per_rank if m is not None]
+        r["padding_mask_backwards_per_rank"] = [n for _, n, _, _ in per_rank if n is not None]
+        r["aten_fallback_calls_per_rank"] = [n for _, _, n, _ in per_rank if n is not None]
+        r["score_shift_backwards_per_rank"] = [n for _, _, _, n in per_rank if n is not None]
         results[name] = r
 
     ok = verdicts(results) if rank == 0 else True

@@ -15,23 +15,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ float shift_of_device(float min_lse, float cap) {
-  if (!(min_lse < kShiftBelow)) {
-    return 0.0f;
-  }
-  return fminf(exp2f(ceilf(log2f(-min_lse))), cap);
-}
-
-// The logsumexp index of entry e of bias row (gb, gh, gl).
-__device__ __forceinline__ int64_t entry_index(const ShiftRows& r, int64_t gb, int64_t gh,
-                                               int64_t gl, int64_t e) {
-  const int64_t el = r.broadcast[2] ? e % r.rows : gl;
-  const int64_t rest = r.broadcast[2] ? e / r.rows : e;
-  const int64_t eh = r.broadcast[1] ? rest % r.heads : gh;
-  const int64_t eb = r.broadcast[1] ? rest / r.heads : rest;
-  return ((r.broadcast[0] ? eb : gb) * r.heads + eh) * r.rows + el;
-}
-
 // kGroup threads per bias row: a warp where few logsumexp entries read a row
 // (a [B, 1, L, S] mask: one per head), a whole block of kGroup threads where
 // many do (a key mask [B, 1, 1, S]: heads x rows), so that neither leaves the
@@ -39,12 +22,12 @@ __device__ __forceinline__ int64_t entry_index(const ShiftRows& r, int64_t gb, i
 // the restore), the shifted logsumexp, then the row's finite entries raised
 // by c. Ordinary rows (c == 0) leave the bias untouched.
 template <typename T, int kGroup>
-__global__ void score_shift_kernel(T* bias, const float* lse, float* lse_out, float* shifts,
-                                   ShiftRows r, float cap) {
+__global__ void __launch_bounds__(kGroup < kThreads ? kThreads : kGroup)
+    score_shift_kernel(T* bias, const float* lse, float* lse_out, float* shifts, ShiftRows r,
+                       ShiftLimits limits) {
   constexpr int kBlock = kGroup < kThreads ? kThreads : kGroup;
   constexpr int kPerBlock = kBlock / kGroup;
   __shared__ float warp_min[kBlock / 32];
-  const int64_t nh = r.broadcast[1] ? 1 : r.heads, nl = r.broadcast[2] ? 1 : r.rows;
   const int64_t groups = r.groups(), entries = r.entries();
   const int lane = threadIdx.x % kGroup;
   // Block-uniform trip count: every thread reaches the __syncthreads below.
@@ -52,11 +35,14 @@ __global__ void score_shift_kernel(T* bias, const float* lse, float* lse_out, fl
        base += int64_t{gridDim.x} * kPerBlock) {
     const int64_t g = base + threadIdx.x / kGroup;
     const bool live = g < groups;
-    const int64_t gl = g % nl, gh = (g / nl) % nh, gb = g / (nl * nh);
+    int64_t gb = 0, gh = 0, gl = 0;
+    if (live) {
+      r.row_of(g, gb, gh, gl);
+    }
     float m = INFINITY;
     if (live) {
       for (int64_t e = lane; e < entries; e += kGroup) {
-        const float x = lse[entry_index(r, gb, gh, gl, e)];
+        const float x = lse[r.lse_index(gb, gh, gl, e)];
         if (isfinite(x)) {
           m = fminf(m, x);
         }
@@ -79,17 +65,17 @@ __global__ void score_shift_kernel(T* bias, const float* lse, float* lse_out, fl
     if (!live) {
       continue;
     }
-    const float c = shift_of_device(m, cap);
+    const float c = shift_of(m, limits);
     if (lane == 0) {
       shifts[g] = c;
     }
     for (int64_t e = lane; e < entries; e += kGroup) {
-      const int64_t i = entry_index(r, gb, gh, gl, e);
+      const int64_t i = r.lse_index(gb, gh, gl, e);
       const float x = lse[i];
       lse_out[i] = x == -INFINITY ? FLT_MAX : x + c;
     }
     if (c != 0.0f) {
-      T* row = bias + gb * r.strides[0] + gh * r.strides[1] + gl * r.strides[2];
+      T* row = bias + r.bias_offset(gb, gh, gl);
       for (int64_t j = lane; j < r.keys; j += kGroup) {
         const float x = static_cast<float>(row[j * r.key_stride]);
         if (isfinite(x)) {
@@ -104,7 +90,6 @@ __global__ void score_shift_kernel(T* bias, const float* lse, float* lse_out, fl
 // rows it did not raise are not read.
 template <typename T>
 __global__ void score_unshift_kernel(T* bias, const float* shifts, ShiftRows r) {
-  const int64_t nh = r.broadcast[1] ? 1 : r.heads, nl = r.broadcast[2] ? 1 : r.rows;
   const int64_t groups = r.groups();
   const int lane = threadIdx.x % 32;
   for (int64_t g = (int64_t{blockIdx.x} * kThreads + threadIdx.x) / 32; g < groups;
@@ -113,8 +98,9 @@ __global__ void score_unshift_kernel(T* bias, const float* shifts, ShiftRows r) 
     if (c == 0.0f) {
       continue;
     }
-    const int64_t gl = g % nl, gh = (g / nl) % nh, gb = g / (nl * nh);
-    T* row = bias + gb * r.strides[0] + gh * r.strides[1] + gl * r.strides[2];
+    int64_t gb, gh, gl;
+    r.row_of(g, gb, gh, gl);
+    T* row = bias + r.bias_offset(gb, gh, gl);
     for (int64_t j = lane; j < r.keys; j += 32) {
       const float x = static_cast<float>(row[j * r.key_stride]);
       if (isfinite(x)) {
@@ -124,30 +110,31 @@ __global__ void score_unshift_kernel(T* bias, const float* shifts, ShiftRows r) 
   }
 }
 
+int blocks_for(int64_t groups, int64_t per_block) {
+  return static_cast<int>(std::min<int64_t>((groups + per_block - 1) / per_block, 65535));
+}
+
 }  // namespace
 
 void launch_score_shift(const at::Tensor& bias, const at::Tensor& logsumexp, float* lse_out,
                         float* shifts, const ShiftRows& rows) {
   const c10::cuda::CUDAGuard device(bias.device());
   const int64_t groups = rows.groups();
-  const float cap = shift_cap(bias.scalar_type());
+  const ShiftLimits limits = shift_limits(bias.scalar_type());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool wide = rows.entries() > 256;  // many logsumexp entries a row: a block each
-  const int64_t per_block = wide ? 1 : kThreads / 32;
-  const int blocks = static_cast<int>(std::min<int64_t>((groups + per_block - 1) / per_block,
-                                                        65535));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, bias.scalar_type(), "score_shift", [&] {
     if (lse_out == nullptr) {
-      score_unshift_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
+      score_unshift_kernel<scalar_t><<<blocks_for(groups, kThreads / 32), kThreads, 0, stream>>>(
           bias.data_ptr<scalar_t>(), shifts, rows);
     } else if (wide) {
-      score_shift_kernel<scalar_t, 1024><<<blocks, 1024, 0, stream>>>(
+      score_shift_kernel<scalar_t, 1024><<<blocks_for(groups, 1), 1024, 0, stream>>>(
           bias.data_ptr<scalar_t>(), logsumexp.const_data_ptr<float>(), lse_out, shifts, rows,
-          cap);
+          limits);
     } else {
-      score_shift_kernel<scalar_t, 32><<<blocks, kThreads, 0, stream>>>(
+      score_shift_kernel<scalar_t, 32><<<blocks_for(groups, kThreads / 32), kThreads, 0, stream>>>(
           bias.data_ptr<scalar_t>(), logsumexp.const_data_ptr<float>(), lse_out, shifts, rows,
-          cap);
+          limits);
     }
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();

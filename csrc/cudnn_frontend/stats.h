@@ -3,7 +3,7 @@
 // ragged graphs apart), how many could not be built, how many calls took the
 // ATen fallback, how many backward calls ran with the padding mask, how many
 // of those wrote its lengths per call (a steady state writes none), and how
-// many ran on shifted scores (score_shift.h).
+// many ran on shifted scores on either engine (score_shift.h).
 // Host counters only: reading them never synchronises. A CUDA graph replay
 // runs no host code and counts nothing.
 #pragma once

@@ -357,20 +357,27 @@ TEST_CASE("check_guards: the key-tail rows take the padding mask, the fallback p
   }
 }
 
-TEST_CASE("check_guards: with a bool mask the key-tail rows shift the scores", "[guards]") {
+TEST_CASE("check_guards: with a bool mask the key-tail rows shift the scores on 9.19.0",
+          "[guards]") {
   // A bool mask's bias holds 0 and -inf, which the score shift raises exactly
-  // (score_shift.h): on either engine, with dropout too, no padding.
+  // (score_shift.h): on either engine, with dropout too, no padding; on the
+  // version it was measured on. Elsewhere, and with an additive mask, the
+  // padding mask.
   for (const auto& [version, s_kv, head_dim] :
        {std::tuple{k9_19_0, 320, 64}, std::tuple{k9_19_0, 704, 128},
-        std::tuple{k9_19_0, 300, 96}, std::tuple{k9_25_1, 129, 128}}) {
+        std::tuple{k9_19_0, 300, 96}, std::tuple{k9_25_1, 129, 128},
+        std::tuple{k9_7_1, 300, 64}}) {
     CAPTURE(version, s_kv, head_dim);
     for (const double dropout_p : {0.0, 0.25}) {
+      const char* padded =
+          dropout_p > 0.0 ? "padding_mask+pad_keys_forward" : "padding_mask+pad_keys_backward";
       CallShape s = shape(2, 4, 8, s_kv, head_dim, false, dropout_p);
       s.has_mask = s.bool_mask = true;
-      CHECK(openwam::check_guards(s, version).plan.to_string() == "shift_scores");
-      s.bool_mask = false;  // an additive mask keeps the padding mask
       CHECK(openwam::check_guards(s, version).plan.to_string() ==
-            (dropout_p > 0.0 ? "padding_mask+pad_keys_forward" : "padding_mask+pad_keys_backward"));
+            (version == k9_19_0 ? "shift_scores" : padded));
+      CHECK(openwam::score_shift_measured(s, version) == (version == k9_19_0));
+      s.bool_mask = false;  // an additive mask keeps the padding mask
+      CHECK(openwam::check_guards(s, version).plan.to_string() == padded);
     }
   }
   // Batch 1, one query row, on the key tail: the one-row fix keeps its own

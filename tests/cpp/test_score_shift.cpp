@@ -1,7 +1,8 @@
 // The score shift (csrc/score_shift.h) on the CPU: c per bias row, the
 // shifted logsumexp, the bias restored bit for bit, and the backward on
-// shifted scores equal to the unshifted one. The CUDA kernel is compared with
-// this reference in tests/gpu/test_adversarial.py.
+// shifted scores equal to the unshifted one. The CUDA kernels run the same
+// row arithmetic (ShiftRows, shift_of); tests/gpu/test_score_shift_gpu.py
+// compares them with this reference.
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -25,17 +26,27 @@ at::Tensor bias_of(const at::Tensor& keep, at::ScalarType dtype) {
 
 }  // namespace
 
-TEST_CASE("shift_of: a power of two that lifts the row to >= 0, only below -32", "[shift]") {
-  const float cap = openwam::shift_cap(at::kBFloat16);
-  CHECK(openwam::shift_of(kInf, cap) == 0.0f);    // no finite logsumexp
-  CHECK(openwam::shift_of(5.0f, cap) == 0.0f);
-  CHECK(openwam::shift_of(-32.0f, cap) == 0.0f);  // ordinary rows: untouched
-  CHECK(openwam::shift_of(-32.5f, cap) == 64.0f);
-  CHECK(openwam::shift_of(-103.0f, cap) == 128.0f);
-  CHECK(openwam::shift_of(-128.0f, cap) == 128.0f);
-  CHECK(openwam::shift_of(-65504.0f, cap) == 65536.0f);
-  // fp16 holds 2^15 at most beside 0: larger shifts stop there.
-  CHECK(openwam::shift_of(-65504.0f, openwam::shift_cap(at::kHalf)) == 32768.0f);
+TEST_CASE("shift_of: a power of two that lifts the row to >= 0, below the dtype's limit",
+          "[shift]") {
+  const openwam::ShiftLimits bf16 = openwam::shift_limits(at::kBFloat16);
+  CHECK(openwam::shift_limits(at::kFloat).below == bf16.below);
+  CHECK(openwam::shift_of(kInf, bf16) == 0.0f);    // no finite logsumexp
+  CHECK(openwam::shift_of(5.0f, bf16) == 0.0f);
+  CHECK(openwam::shift_of(-20.0f, bf16) == 0.0f);  // ordinary rows: untouched
+  CHECK(openwam::shift_of(-32.0f, bf16) == 0.0f);
+  CHECK(openwam::shift_of(-32.5f, bf16) == 64.0f);
+  CHECK(openwam::shift_of(-103.0f, bf16) == 128.0f);
+  CHECK(openwam::shift_of(-128.0f, bf16) == 256.0f);  // strictly above
+  CHECK(openwam::shift_of(-65504.0f, bf16) == 65536.0f);
+  CHECK(openwam::shift_of(-3.0e38f, bf16) == std::ldexp(1.0f, 126));  // the cap
+  // fp16: every row below 0 (its dS overflows from a logsumexp of -11.1 on),
+  // by at least 1, and by 2^15 at most.
+  const openwam::ShiftLimits fp16 = openwam::shift_limits(at::kHalf);
+  CHECK(openwam::shift_of(0.0f, fp16) == 0.0f);
+  CHECK(openwam::shift_of(-1e-30f, fp16) == 1.0f);
+  CHECK(openwam::shift_of(-0.75f, fp16) == 1.0f);
+  CHECK(openwam::shift_of(-20.0f, fp16) == 32.0f);
+  CHECK(openwam::shift_of(-65504.0f, fp16) == 32768.0f);
 }
 
 TEST_CASE("shift_rows: broadcast axes and axes of stride 0 share one c", "[shift]") {
@@ -71,8 +82,10 @@ TEST_CASE("shift_scores: each bias row's c, -inf rows to the largest float, bias
                                .reshape({2, 2, 3, 1});
     const openwam::ShiftedScores s = openwam::shift_scores(bias, lse);
     const at::Tensor& shifted = s.logsumexp;
-    // Row (b, i): c from the smallest finite logsumexp over the heads.
-    const float c[2][3] = {{0.0f, 64.0f, 128.0f}, {0.0f, 64.0f, 0.0f}};
+    // Row (b, i): c from the smallest finite logsumexp over the heads. fp16
+    // also lifts row (1, 0), whose smallest is -1.
+    const float c10 = dtype == at::kHalf ? 2.0f : 0.0f;
+    const float c[2][3] = {{0.0f, 64.0f, 128.0f}, {c10, 64.0f, 0.0f}};
     for (int b = 0; b < 2; ++b) {
       for (int h = 0; h < 2; ++h) {
         for (int i = 0; i < 3; ++i) {
@@ -87,7 +100,7 @@ TEST_CASE("shift_scores: each bias row's c, -inf rows to the largest float, bias
         CHECK(at::equal(row, want));  // -inf + c is -inf
       }
     }
-    CHECK(at::equal(s.shifts, at::tensor({0.0f, 64.0f, 128.0f, 0.0f, 64.0f, 0.0f})));
+    CHECK(at::equal(s.shifts, at::tensor({0.0f, 64.0f, 128.0f, c10, 64.0f, 0.0f})));
     openwam::unshift_scores(bias, s);
     CHECK(at::equal(bias, before));
   }
@@ -122,7 +135,7 @@ TEST_CASE("shift_scores: the backward on shifted scores is the unshifted one", "
     const at::Tensor& shifted = s.logsumexp;
     // No row left below -32 (the shifted ones at >= 0): exp(0 - lse) stays
     // far from float's overflow, so the defect cannot fire.
-    CHECK(shifted.min().item<float>() >= openwam::kShiftBelow);
+    CHECK(shifted.min().item<float>() >= openwam::shift_limits(at::kFloat).below);
     CHECK_FALSE(at::equal(bias, before));
     const auto [dq, dk, dv] =
         openwam::reference_backward(go, q, k, v, out, shifted, bias, false, std::nullopt);

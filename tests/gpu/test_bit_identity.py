@@ -2,8 +2,9 @@
 defect cannot strike: the forward always (the fix lives in the backward; the
 op's forward graph is the one ATen builds), and the gradients of calls that no
 guard rule marks affected (the same backward graph). Where a rule applies, the
-backward runs with cuDNN's padding mask, another kernel variant: its gradients
-are held to twice stock's error instead (test_adversarial.py).
+backward runs with cuDNN's padding mask, another kernel variant, or (a bool
+mask) stock's graph on shifted scores: its gradients are held to twice
+stock's error instead (test_adversarial.py).
 
 Stock means F.sdpa forced onto cuDNN. Stock turns a bool mask into -65504
 where openwam uses -inf; on rows with at least one visible key both give
@@ -48,8 +49,9 @@ def stock_forward(q, k, v, mask):
 def test_forward_bit_identical_when_differentiated(s_kv, mask_kind, layout, pad, ow, settings):
     """A differentiated call (its backward will be fixed) returns stock's
     forward output exactly, even on inputs whose backward the fix changes.
-    At 4032 keys the backward takes the K/V shim, so a bool mask's bias is
-    written with 4096-key rows and the forward reads its first 4032."""
+    At 4032 keys an additive mask's backward takes the K/V shim, so its bias
+    is read with 4096-key rows by the forward too; a bool mask's backward
+    runs on shifted scores, which leave the forward alone."""
     settings(cudnn="1", pad=pad)
     q, k, v = cuda_adversarial_qkv(B, H, S_Q, s_kv, D, (7,), layout=layout, seed=s_kv)
     mask = cuda_mask(mask_kind, B, 1, S_Q, s_kv, seed=s_kv + 1)

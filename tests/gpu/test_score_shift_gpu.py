@@ -1,0 +1,109 @@
+"""The score shift's CUDA kernels (csrc/cuda/score_shift.cu) through the leaf
+ops, plan shift_scores (16) against the padding mask's plan (1) on the same
+inputs: every bias shape the kernels lay out differently (a warp per bias row
+where few logsumexp entries read it, a block where many do, a bias broadcast
+over the batch), bf16 and fp16, adversarial rows and fully masked rows. The
+bias the caller holds must come back unchanged, the gradients must be finite
+and as close to float64 as the padding mask's, and the telemetry must count
+the shifted backwards. An fp16 row whose logsumexp is about -20 is shifted
+too: there exp(0 - lse) passes fp16's largest value (score_shift.h).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from openwam_sdpa.adversarial import adversarial_inputs
+
+from support import reference
+
+from .conftest import GPU_MARKS, cuda_adversarial_qkv, cuda_randn
+
+pytestmark = GPU_MARKS
+
+FWD = torch.ops.openwam._cudnn_sdpa.default
+BWD = torch.ops.openwam._cudnn_sdpa_backward.default
+PADDING_MASK, SHIFT_SCORES = 1, 16
+B, H, S_Q, S_KV, D = 2, 4, 96, 320, 64  # s_kv % 128 == 64: the key tail
+
+# bias shape: [B, 1, L, S] (a warp a row), [B, 1, 1, S] (H * L = 384 entries a
+# row: a block), [1, 1, L, S] (broadcast over the batch).
+BIAS_SHAPES = {"rows": (B, 1, S_Q, S_KV), "keys": (B, 1, 1, S_KV), "batch": (1, 1, S_Q, S_KV)}
+
+
+def bool_bias(shape, dtype, seed, masked_row=None):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    keep = torch.rand(shape, device="cuda", generator=g) < 0.8
+    keep[..., 0] = True
+    if masked_row is not None and shape[2] > 1:
+        keep[..., masked_row, :] = False  # a row that sees no key
+    bias = torch.zeros(shape, device="cuda", dtype=dtype).masked_fill(~keep, -math.inf)
+    return bias, keep
+
+
+def leaf_grads(q, k, v, go, bias, plan):
+    out, lse, seed, offset = FWD(q, k, v, bias, 0.0, False, None, True, plan)
+    dq, dk, dv = BWD(go, q, k, v, bias, out, lse, seed, offset, 0.0, False, None, plan)
+    return out, dq, dk, dv
+
+
+def rel(x, ref):
+    return float((x.double() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", BIAS_SHAPES.values(), ids=BIAS_SHAPES.keys())
+def test_shifted_backward_matches_the_padding_mask(shape, dtype, ow):
+    q, k, v = (t.detach() for t in
+               cuda_adversarial_qkv(B, H, S_Q, S_KV, D, (5, 60), dtype=dtype, seed=21))
+    go = cuda_randn(B, H, S_Q, D, seed=22).to(dtype)
+    bias, keep = bool_bias(shape, dtype, seed=23, masked_row=40)
+    held = bias.clone()
+    before = ow.frontend_stats()["score_shift_backwards"]
+    shifted = leaf_grads(q, k, v, go, bias, SHIFT_SCORES)
+    assert torch.equal(bias, held), "the bias was not restored"
+    assert ow.frontend_stats()["score_shift_backwards"] == before + 1
+    padded = leaf_grads(q, k, v, go, bias, PADDING_MASK)
+    ref, lse = reference(q, k, v, go, attn_mask=keep.expand(B, 1, S_Q, S_KV))
+    assert float(lse[torch.isfinite(lse)].min()) < -88.7  # the defect's rows are there
+    for name, a, b, r in zip(("out", "dq", "dk", "dv"), shifted, padded,
+                             (ref.out, ref.dq, ref.dk, ref.dv)):
+        assert bool(torch.isfinite(a).all()), name
+        assert rel(a, r) <= 2 * rel(b, r) + 2e-3, (name, rel(a, r), rel(b, r))
+    if shape[2] > 1:  # the row that sees no key: zero output and gradient
+        assert int(torch.count_nonzero(shifted[1][:, :, 40])) == 0
+
+
+def test_fp16_rows_near_minus_20_are_shifted(ow, settings):
+    """fp16: cuDNN rounds dS to fp16 for its dQ product, so the tail's
+    exp(0 - lse) overflows from a logsumexp of -11.1; the shift takes every
+    fp16 row below 0 (score_shift.h). Through the public op, at default
+    settings: finite, and as accurate as the float64 reference allows."""
+    settings(cudnn="1", pad="auto")
+    target = -20.0 - math.log(S_KV)
+    a = adversarial_inputs(B, H, S_Q, S_KV, D, rows="one_per_head", target=target,
+                           dtype=torch.float16, device="cuda", seed=24, requires_grad=True)
+    mask = torch.ones(B, 1, S_Q, S_KV, device="cuda", dtype=torch.bool)
+    info = ow.explain(a.query, a.key, a.value, attn_mask=mask)
+    assert info["plan"] == "shift_scores", info
+    out = ow.sdpa(a.query, a.key, a.value, attn_mask=mask)
+    grads = torch.autograd.grad(out, (a.query, a.key, a.value), a.grad_out)
+    ref, lse = reference(a.query, a.key, a.value, a.grad_out, attn_mask=mask)
+    low = float(lse[a.affected].max())
+    assert -40 < low < -11.1, low
+    for name, g, r in zip(("dq", "dk", "dv"), grads, (ref.dq, ref.dk, ref.dv)):
+        assert bool(torch.isfinite(g).all()), name
+        assert rel(g, r) < 2e-2, (name, rel(g, r))
+
+
+def test_a_bias_the_shift_cannot_write_raises(ow):
+    """A direct call of the backward with plan shift_scores and a bias whose
+    rows share memory (expanded) raises instead of writing one row twice."""
+    q, k, v = (t.detach() for t in cuda_adversarial_qkv(B, H, S_Q, S_KV, D, (5,), seed=25))
+    go = cuda_randn(B, H, S_Q, D, seed=26)
+    bias = torch.zeros(1, 1, 1, S_KV, device="cuda", dtype=torch.bfloat16).expand(B, 1, S_Q, S_KV)
+    out, lse, seed, offset = FWD(q, k, v, bias, 0.0, False, None, True, SHIFT_SCORES)
+    with pytest.raises(RuntimeError, match="the plan shift_scores needs a 4-D bias of its own"):
+        BWD(go, q, k, v, bias, out, lse, seed, offset, 0.0, False, None, SHIFT_SCORES)
