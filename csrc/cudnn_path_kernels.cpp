@@ -431,6 +431,7 @@ Tensors3 backward_with_plan(const at::Tensor& grad_out, const at::Tensor& query,
   const ScopedScoreShift shift(plan.shift_scores, bias, lse);
   auto [dq, dk, dv] = engine.backward(go, q, k, v, o, shift.logsumexp(), philox_seed,
                                       philox_offset, bias, dropout_p, causal, scale);
+  shift.ran();
   if (plan.pad_query_backward) {
     dq = like_input(query, dq);
   }
@@ -612,6 +613,9 @@ Tensors3 frontend_backward(const at::Tensor& grad_out, const at::Tensor& query,
     ran = frontend::sdpa_backward(grad_out, query, key, value, out, shift.logsumexp(),
                                   philox_seed, philox_offset, bias, dropout_p, is_causal, scale,
                                   plan.padding_mask, grads, why_not);
+    if (ran) {
+      shift.ran();
+    }
   }
   if (ran) {
     return finish_backward(std::move(grads), query, key, logsumexp, plan);

@@ -1,7 +1,6 @@
 #include "score_shift.h"
 
 #include <ATen/Dispatch.h>
-#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -132,17 +131,20 @@ ScopedScoreShift::ScopedScoreShift(bool on, const at::Tensor& bias, const at::Te
   }
   TORCH_CHECK(bias.defined(), "openwam::_cudnn_sdpa_backward: the plan shift_scores is for "
               "calls with a bias (a bool mask's), got none");
-  // The shift writes each bias row once: no key axis of stride 0, no two rows
-  // in one place (the op's own bool-mask bias never has either).
-  TORCH_CHECK(bias.dim() == 4 && (bias.stride(3) == 1 || bias.size(3) <= 1) &&
-                  at::has_internal_overlap(bias) != at::MemOverlap::Yes,
-              "openwam::_cudnn_sdpa_backward: the plan shift_scores needs a 4-D bias of its "
-              "own, keys contiguous (a bool mask's, as openwam::sdpa makes it), got sizes ",
+  // The shift writes each bias row once: axes of stride 0 broadcast (one row
+  // for all their indices, as the one-query-row plan's expanded bias), but a
+  // key of stride 0 would be raised once per key.
+  TORCH_CHECK(bias.dim() == 4 && (bias.stride(3) == 1 || bias.size(3) <= 1),
+              "openwam::_cudnn_sdpa_backward: the plan shift_scores needs a 4-D bias with "
+              "contiguous keys (a bool mask's, as openwam::sdpa makes it), got sizes ",
               bias.sizes(), " and strides ", bias.strides());
   given_ = logsumexp.contiguous();
   shifted_ = shift_scores(bias, given_);
   bias_ = bias;
-  if (bias.is_cuda()) {
+}
+
+void ScopedScoreShift::ran() const {
+  if (bias_.defined() && bias_.is_cuda()) {
     frontend::stats().score_shift_backwards++;
   }
 }

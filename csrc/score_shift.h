@@ -121,7 +121,7 @@ C10_HOST_DEVICE inline float shift_of(float min_lse, ShiftLimits limits) {
   }
   int e = 0;
   frexpf(-min_lse, &e);  // -min_lse < 2^e
-  const float c = ldexpf(1.0f, e < 0 ? 0 : e);
+  const float c = ldexpf(1.0f, e < 0 ? 0 : (e > 126 ? 126 : e));  // 2^127 and up: the cap
   return c < limits.cap ? c : limits.cap;
 }
 
@@ -136,6 +136,8 @@ class ScopedScoreShift {
   const at::Tensor& logsumexp() const {
     return shifted_.logsumexp.defined() ? shifted_.logsumexp : given_;
   }
+  // The backward ran on the shifted scores: counted in frontend_stats() (CUDA).
+  void ran() const;
 
  private:
   at::Tensor bias_, given_;

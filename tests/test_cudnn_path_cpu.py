@@ -127,18 +127,39 @@ def test_shifted_scores_give_the_unshifted_attention(case):
         assert_close(a.double(), b, 5e-5, 5e-5, name)
 
 
-def test_shift_scores_needs_a_bias_of_its_own():
+def test_shift_scores_needs_a_bias_with_contiguous_keys():
     """The forward refuses the plan without a bias (its backward could not
-    run it); the backward refuses a bias whose rows share memory (expanded),
-    which the in-place shift would write twice."""
+    run it); the backward refuses a bias whose keys share memory (stride 0),
+    which the in-place shift would raise once per key."""
     (q, k, v), _, bias, _ = inputs(mask="bool")
     with pytest.raises(RuntimeError, match="the plan shift_scores is for calls with a bias"):
         FWD(q, k, v, None, 0.0, False, None, True, SHIFT_SCORES)
-    shared = bias[:1, :, :1].expand(bias.shape)
-    out, lse, seed, offset = FWD(q, k, v, shared, 0.0, False, None, True, SHIFT_SCORES)
-    with pytest.raises(RuntimeError, match="the plan shift_scores needs a 4-D bias of its own"):
-        BWD(torch.ones_like(out), q, k, v, shared, out, lse, seed, offset, 0.0, False, None,
+    out, lse, seed, offset = FWD(q, k, v, bias, 0.0, False, None, True, SHIFT_SCORES)
+    one_key = bias[..., :1].expand(bias.shape)
+    with pytest.raises(RuntimeError, match="the plan shift_scores needs a 4-D bias with "
+                                           "contiguous keys"):
+        BWD(torch.ones_like(out), q, k, v, one_key, out, lse, seed, offset, 0.0, False, None,
             SHIFT_SCORES)
+
+
+def test_a_bias_broadcast_in_memory_is_shifted_once_and_restored():
+    """A bias expanded along the batch and the queries (stride 0, as the
+    one-query-row plan expands its bias) is one row in memory: the shift
+    raises it once, for the smallest logsumexp of every row reading it."""
+    (q, k, v), _, _, _ = inputs()
+    lift_rows(q, k, [(0, 1, 2), (1, 0, 4)])
+    keep = torch.rand(1, 1, 1, 70, generator=torch.Generator().manual_seed(5)) < 0.7
+    keep[..., 0] = True
+    row = torch.zeros(1, 1, 1, 70).masked_fill(~keep, -math.inf)
+    bias = row.expand(2, 1, 6, 70)
+    held = row.clone()
+    grad_out = torch.randn(2, 3, 6, 16, generator=torch.Generator().manual_seed(3))
+    out, lse, g = run(q, k, v, bias, False, SHIFT_SCORES, grad_out)
+    assert lse.min() < -90
+    assert torch.equal(row, held)
+    ref, _ = reference(q, k, v, grad_out, keep.expand(2, 1, 6, 70), False, enable_gqa=True)
+    for name, a, b in zip(("dq", "dk", "dv"), g, ref[1:]):
+        assert_close(a.double(), b, 5e-5, 5e-5, name)
 
 
 def test_double_backward_raises_as_pytorchs_fused_backwards():

@@ -76,6 +76,15 @@ def stock_defect_measured(s_kv: int, head_dim: int, is_causal: bool = False) -> 
     return head_dim in (64, 128) and s_kv % KEY_TILE == 64
 
 
+def key_tail_plan(mask_kind: str) -> str:
+    """The plan of a differentiated call on the key tail without dropout: the
+    score shift for a bool mask on the cuDNN it was measured on (9.19.0), the
+    padding mask (and the fallback's padded keys) otherwise."""
+    if mask_kind == "bool" and cudnn_version() == MEASURED_CUDNN:
+        return "shift_scores"
+    return "padding_mask+pad_keys_backward"
+
+
 @functools.lru_cache(maxsize=None)
 def cudnn_attention_unusable() -> str | None:
     """Why stock cuDNN attention cannot run a tiny forward+backward here, or

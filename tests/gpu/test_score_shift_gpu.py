@@ -76,6 +76,8 @@ def test_shifted_backward_matches_the_padding_mask(shape, dtype, ow):
         assert int(torch.count_nonzero(shifted[1][:, :, 40])) == 0
 
 
+@pytest.mark.skipif(torch.backends.cudnn.version() != 91900,
+                    reason="the score shift is the plan on cuDNN 9.19.0 only (measured there)")
 def test_fp16_rows_near_minus_20_are_shifted(ow, settings):
     """fp16: cuDNN rounds dS to fp16 for its dQ product, so the tail's
     exp(0 - lse) overflows from a logsumexp of -11.1; the shift takes every
@@ -100,10 +102,29 @@ def test_fp16_rows_near_minus_20_are_shifted(ow, settings):
 
 def test_a_bias_the_shift_cannot_write_raises(ow):
     """A direct call of the backward with plan shift_scores and a bias whose
-    rows share memory (expanded) raises instead of writing one row twice."""
+    keys share memory (stride 0) raises instead of raising one key S times."""
     q, k, v = (t.detach() for t in cuda_adversarial_qkv(B, H, S_Q, S_KV, D, (5,), seed=25))
     go = cuda_randn(B, H, S_Q, D, seed=26)
-    bias = torch.zeros(1, 1, 1, S_KV, device="cuda", dtype=torch.bfloat16).expand(B, 1, S_Q, S_KV)
+    bias = torch.zeros(B, 1, S_Q, S_KV, device="cuda", dtype=torch.bfloat16)
     out, lse, seed, offset = FWD(q, k, v, bias, 0.0, False, None, True, SHIFT_SCORES)
-    with pytest.raises(RuntimeError, match="the plan shift_scores needs a 4-D bias of its own"):
-        BWD(go, q, k, v, bias, out, lse, seed, offset, 0.0, False, None, SHIFT_SCORES)
+    with pytest.raises(RuntimeError, match="needs a 4-D bias with contiguous keys"):
+        BWD(go, q, k, v, bias[..., :1].expand(bias.shape), out, lse, seed, offset, 0.0, False,
+            None, SHIFT_SCORES)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.125])
+def test_one_query_row_with_a_bool_mask(dropout_p, ow, settings):
+    """Batch 1, one query row, a bool mask, the key tail: the plan holds the
+    one-row fix and the shift. With dropout the backward runs cuDNN on a query
+    grown by a zero row, its bias expanded along the queries (stride 0),
+    which the shift raises as one row."""
+    settings(cudnn="1", pad="auto")
+    q, k, v = cuda_adversarial_qkv(1, H, 1, S_KV, D, (0,), seed=27)
+    go = cuda_randn(1, H, 1, D, seed=28)
+    mask = torch.rand(1, 1, 1, S_KV, device="cuda") < 0.8
+    mask[..., 0] = True
+    info = ow.explain(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    assert info["route"] == "cudnn" and "pad_query_backward" in info["plan"], info
+    out = ow.sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    grads = torch.autograd.grad(out, (q, k, v), go)
+    assert all(bool(torch.isfinite(g).all()) for g in grads)
