@@ -187,9 +187,10 @@ at::Tensor run_cudnn_path(const SdpaCall& call, const Decision& decision) {
   if (call.attn_mask.has_value()) {
     const at::Tensor& mask = *call.attn_mask;
     const c10::SymInt s_kv = call.key.sym_size(-2);
-    // A K/V shim backward reads the bias with its keys padded (an additive
-    // mask's: a bool mask's takes the score shift). Where the bias is a new
-    // tensor anyway (a mask of another dtype), it is
+    // A K/V shim backward reads the bias with its keys padded (on cuDNN
+    // 9.19.0 an additive mask's: a bool mask's takes the score shift there).
+    // Where the bias is a new tensor anyway (a bool mask, or one of another
+    // dtype), it is
     // written padded here, once, instead of copied padded at the backward: in
     // a compiled Qwen2 step at 2x4032, left-padded, that copy was two thirds
     // of the shim's copied bytes (H200, cuDNN 9.19.0). A mask already in the

@@ -28,8 +28,8 @@ c10::SymInt padded_length(const c10::SymInt& length, int64_t multiple);
 
 // Whether a differentiated call's backward takes the K/V shim on the op's own
 // cuDNN graphs (the ATen fallback takes it for every pad_keys_backward plan).
-// Only an additive mask's call can: a bool mask's takes the score shift
-// (plan shift_scores, score_shift.h), which costs what stock costs.
+// On cuDNN 9.19.0 only an additive mask's call can: a bool mask's takes the
+// score shift there (plan shift_scores, score_shift.h), at stock's cost.
 //
 // With a bias, cuDNN's padding-mask backward is the slow corner: 1.10x-1.23x
 // stock's fwd+bwd at 360x64 to 4096x4032 (H200, cuDNN 9.19.0, bf16, head_dim
