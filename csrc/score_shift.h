@@ -16,7 +16,7 @@
 // where stock had up to 852,480, batch 1 with one query row included, dQ
 // errors within the efficient backend's but one (1.08x it), dK and dV errors at or
 // below stock's. In the op: 1.004x-1.039x stock's fwd+bwd at 704x704 with a
-// bool mask and none to every row affected (4287aad, H100).
+// bool mask and none to every row affected (H100, docs/performance.md).
 //
 // The bias is raised in place and restored after the backward, so that the
 // backward holds no second copy of it (peak memory stays stock's); the cost
