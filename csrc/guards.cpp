@@ -18,18 +18,6 @@ constexpr long k9_26_0 = cudnn_version(9, 26, 0);
 // nothing says a later cuDNN fixed it (conservative where unmeasured).
 constexpr long kNoFixKnown = std::numeric_limits<long>::max();
 
-}  // namespace
-
-// The score shift rests on the defect's mechanism (the tail scored 0), which
-// this project measured on 9.19.0: the probe on branch probe/score-shift
-// (head_dim 64-256, bf16 and fp16, H100) and the GPU suite and fuzz since.
-// Other versions keep the padding mask, which bounds the tile whatever the
-// mechanism (conservative where unmeasured).
-bool score_shift_measured(const CallShape& shape, long cudnn_version) {
-  return shape.bool_mask && cudnn_version == k9_19_0;
-}
-
-namespace {
 
 // The key-tail sweep on the H200 covered cuDNN 9.19.0 at head_dim 64 and 128,
 // the value's head_dim the query's (d_v 64 under d_qk 128 was not swept).
@@ -260,6 +248,15 @@ std::vector<const GuardRule*> rules_covering(const CallShape& shape, long cudnn_
     }
   }
   return rules;
+}
+
+// The score shift rests on the defect's mechanism (the tail scored 0), which
+// this project measured on 9.19.0: the probe on branch probe/score-shift
+// (head_dim 64-256, bf16 and fp16, H100) and the GPU suite and fuzz since.
+// Other versions keep the padding mask, which bounds the tile whatever the
+// mechanism (conservative where unmeasured).
+bool score_shift_measured(const CallShape& shape, long cudnn_version) {
+  return shape.bool_mask && cudnn_version == k9_19_0;
 }
 
 GuardVerdict check_guards(const CallShape& shape, long cudnn_version) {

@@ -68,9 +68,9 @@ void shift_cpu(const at::Tensor& bias, const at::Tensor& logsumexp, float* lse_o
   }
 }
 
-void run(const at::Tensor& bias, const at::Tensor& logsumexp, float* lse_out, float* shifts) {
-  check_shift_inputs(bias, logsumexp);
-  const ShiftRows rows = shift_rows(bias, logsumexp);
+// The shift (lse_out given) or the restore (lse_out null), on checked rows.
+void run(const at::Tensor& bias, const at::Tensor& logsumexp, float* lse_out, float* shifts,
+         const ShiftRows& rows) {
   if (rows.groups() == 0 || rows.entries() == 0) {
     return;
   }
@@ -113,15 +113,17 @@ ShiftLimits shift_limits(at::ScalarType dtype) {
 
 ShiftedScores shift_scores(const at::Tensor& bias, const at::Tensor& logsumexp) {
   check_shift_inputs(bias, logsumexp);
-  const int64_t n = logsumexp.numel(), groups = shift_rows(bias, logsumexp).groups();
+  const ShiftRows rows = shift_rows(bias, logsumexp);
+  const int64_t n = logsumexp.numel(), groups = rows.groups();
   const at::Tensor buffer = at::empty({n + groups}, logsumexp.options());
-  ShiftedScores s{buffer.narrow(0, 0, n).view(logsumexp.sizes()), buffer.narrow(0, n, groups)};
-  run(bias, logsumexp, s.logsumexp.data_ptr<float>(), s.shifts.data_ptr<float>());
+  ShiftedScores s{buffer.narrow(0, 0, n).view(logsumexp.sizes()), buffer.narrow(0, n, groups),
+                  rows};
+  run(bias, logsumexp, s.logsumexp.data_ptr<float>(), s.shifts.data_ptr<float>(), rows);
   return s;
 }
 
 void unshift_scores(const at::Tensor& bias, const ShiftedScores& shifted) {
-  run(bias, shifted.logsumexp, nullptr, shifted.shifts.data_ptr<float>());
+  run(bias, shifted.logsumexp, nullptr, shifted.shifts.data_ptr<float>(), shifted.rows);
 }
 
 ScopedScoreShift::ScopedScoreShift(bool on, const at::Tensor& bias, const at::Tensor& logsumexp)

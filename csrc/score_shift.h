@@ -57,24 +57,6 @@ struct ShiftLimits {
 };
 ShiftLimits shift_limits(at::ScalarType dtype);
 
-// What a shift leaves: the logsumexp the shifted backward reads, and each
-// bias row's c (for the restore), in one allocation.
-struct ShiftedScores {
-  at::Tensor logsumexp;  // [B, H, L, 1] float32, contiguous
-  at::Tensor shifts;     // one float per bias row
-};
-
-// In place: `bias` ([B|1, H|1, L|1, S] in the inputs' dtype; its finite
-// entries 0, as a bool mask's) raised by each row's c. The logsumexp it
-// returns is `logsumexp` ([B, H, L, 1] float32, contiguous) plus its row's c,
-// the largest float where it is -inf. Axes of `bias` of size 1 or stride 0
-// broadcast: c is then one for every row reading it.
-ShiftedScores shift_scores(const at::Tensor& bias, const at::Tensor& logsumexp);
-
-// `bias` back to what it held before the shift that gave `shifted`: each
-// row's c taken off again (exact for entries 0 and -inf).
-void unshift_scores(const at::Tensor& bias, const ShiftedScores& shifted);
-
 // The bias's rows as the shift sees them: the logsumexp's sizes, and whether
 // each of the bias's first three axes broadcasts.
 struct ShiftRows {
@@ -111,6 +93,25 @@ struct ShiftRows {
   }
 };
 ShiftRows shift_rows(const at::Tensor& bias, const at::Tensor& logsumexp);
+
+// What a shift leaves: the logsumexp the shifted backward reads, and each
+// bias row's c (for the restore), in one allocation; the rows, for the restore.
+struct ShiftedScores {
+  at::Tensor logsumexp;  // [B, H, L, 1] float32, contiguous
+  at::Tensor shifts;     // one float per bias row
+  ShiftRows rows{};
+};
+
+// In place: `bias` ([B|1, H|1, L|1, S] in the inputs' dtype; its finite
+// entries 0, as a bool mask's) raised by each row's c. The logsumexp it
+// returns is `logsumexp` ([B, H, L, 1] float32, contiguous) plus its row's c,
+// the largest float where it is -inf. Axes of `bias` of size 1 or stride 0
+// broadcast: c is then one for every row reading it.
+ShiftedScores shift_scores(const at::Tensor& bias, const at::Tensor& logsumexp);
+
+// `bias` back to what it held before the shift that gave `shifted`: each
+// row's c taken off again (exact for entries 0 and -inf).
+void unshift_scores(const at::Tensor& bias, const ShiftedScores& shifted);
 
 // c for a bias row whose smallest finite logsumexp is `min_lse` (+inf when
 // none is finite): the power of two above -min_lse (frexpf and ldexpf, exact

@@ -15,6 +15,20 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// Bias row (gb, gh, gl)'s finite entries moved by `delta`, its keys shared by
+// `step` lanes (the shift raises, the restore lowers).
+template <typename T>
+__device__ void move_row(T* bias, const ShiftRows& r, int64_t gb, int64_t gh, int64_t gl,
+                         float delta, int lane, int step) {
+  T* row = bias + r.bias_offset(gb, gh, gl);
+  for (int64_t j = lane; j < r.keys; j += step) {
+    const float x = static_cast<float>(row[j * r.key_stride]);
+    if (isfinite(x)) {
+      row[j * r.key_stride] = static_cast<T>(x + delta);
+    }
+  }
+}
+
 // kGroup threads per bias row: a warp where few logsumexp entries read a row
 // (a [B, 1, L, S] mask: one per head), a whole block of kGroup threads where
 // many do (a key mask [B, 1, 1, S]: heads x rows), so that neither leaves the
@@ -75,13 +89,7 @@ __global__ void __launch_bounds__(kGroup < kThreads ? kThreads : kGroup)
       lse_out[i] = x == -INFINITY ? FLT_MAX : x + c;
     }
     if (c != 0.0f) {
-      T* row = bias + r.bias_offset(gb, gh, gl);
-      for (int64_t j = lane; j < r.keys; j += kGroup) {
-        const float x = static_cast<float>(row[j * r.key_stride]);
-        if (isfinite(x)) {
-          row[j * r.key_stride] = static_cast<T>(x + c);
-        }
-      }
+      move_row(bias, r, gb, gh, gl, c, lane, kGroup);
     }
   }
 }
@@ -100,13 +108,7 @@ __global__ void score_unshift_kernel(T* bias, const float* shifts, ShiftRows r) 
     }
     int64_t gb, gh, gl;
     r.row_of(g, gb, gh, gl);
-    T* row = bias + r.bias_offset(gb, gh, gl);
-    for (int64_t j = lane; j < r.keys; j += 32) {
-      const float x = static_cast<float>(row[j * r.key_stride]);
-      if (isfinite(x)) {
-        row[j * r.key_stride] = static_cast<T>(x - c);
-      }
-    }
+    move_row(bias, r, gb, gh, gl, -c, lane, 32);
   }
 }
 
