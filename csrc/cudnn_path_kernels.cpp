@@ -426,11 +426,11 @@ Tensors3 backward_with_plan(const at::Tensor& grad_out, const at::Tensor& query,
     PaddedQuery p = pad_query_row(q, go, o, lse, bias);
     q = p.query, go = p.grad_out, o = p.out, lse = p.logsumexp, bias = p.bias;
   }
-  // A bool mask's bias on the key tail: the scores shifted, the bias restored
-  // when the backward returns (score_shift.h).
+  // A bool mask's bias on the key tail: the scores shifted, a bias raised in
+  // place restored when the backward returns (score_shift.h).
   const ScopedScoreShift shift(plan.shift_scores, bias, lse);
   auto [dq, dk, dv] = engine.backward(go, q, k, v, o, shift.logsumexp(), philox_seed,
-                                      philox_offset, bias, dropout_p, causal, scale);
+                                      philox_offset, shift.bias(), dropout_p, causal, scale);
   shift.ran();
   if (plan.pad_query_backward) {
     dq = like_input(query, dq);
@@ -608,11 +608,12 @@ Tensors3 frontend_backward(const at::Tensor& grad_out, const at::Tensor& query,
   bool ran = false;
   {
     const at::Tensor bias = bias_keys(attn_bias.value_or(at::Tensor()), key.size(2));
-    // Restored before the ATen fallback below, which shifts it again.
+    // Restored (where raised in place) before the ATen fallback below, which
+    // shifts it again.
     const ScopedScoreShift shift(plan.shift_scores, bias, logsumexp);
     ran = frontend::sdpa_backward(grad_out, query, key, value, out, shift.logsumexp(),
-                                  philox_seed, philox_offset, bias, dropout_p, is_causal, scale,
-                                  plan.padding_mask, grads, why_not);
+                                  philox_seed, philox_offset, shift.bias(), dropout_p, is_causal,
+                                  scale, plan.padding_mask, grads, why_not);
     if (ran) {
       shift.ran();
     }

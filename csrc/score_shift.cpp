@@ -22,11 +22,14 @@ void check_shift_inputs(const at::Tensor& bias, const at::Tensor& logsumexp) {
 }
 
 // The reference: one bias row at a time, as the CUDA kernel runs one per warp
-// or block. With lse_out null, the restore from `shifts`.
+// or block, raised into `out` (the bias itself in place). With lse_out null,
+// the restore from `shifts`.
 template <typename T>
-void shift_cpu(const at::Tensor& bias, const at::Tensor& logsumexp, float* lse_out,
-               float* shifts, const ShiftRows& r, ShiftLimits limits) {
-  T* b = bias.data_ptr<T>();
+void shift_cpu(const at::Tensor& bias, const at::Tensor& out, const at::Tensor& logsumexp,
+               float* lse_out, float* shifts, const ShiftRows& r, ShiftLimits limits) {
+  const T* b = bias.const_data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const bool in_place = b == o;
   const float* lse = logsumexp.const_data_ptr<float>();
   for (int64_t g = 0; g < r.groups(); ++g) {
     int64_t gb, gh, gl;
@@ -42,7 +45,9 @@ void shift_cpu(const at::Tensor& bias, const at::Tensor& logsumexp, float* lse_o
         }
       }
       c = shift_of(min_lse, limits);
-      shifts[g] = c;
+      if (shifts != nullptr) {
+        shifts[g] = c;
+      }
       sign = 1.0f;
       for (int64_t e = 0; e < r.entries(); ++e) {
         const int64_t i = entry(e);
@@ -54,35 +59,33 @@ void shift_cpu(const at::Tensor& bias, const at::Tensor& logsumexp, float* lse_o
     } else {
       c = shifts[g];
     }
-    if (c == 0.0f) {
+    if (c == 0.0f && in_place) {
       continue;
     }
-    T* row = b + r.bias_offset(gb, gh, gl);
+    const int64_t first = r.bias_offset(gb, gh, gl);
     for (int64_t j = 0; j < r.keys; ++j) {
-      T& v = row[j * r.key_stride];
-      const float x = static_cast<float>(v);
-      if (std::isfinite(x)) {
-        v = static_cast<T>(x + sign * c);
-      }
+      const int64_t i = first + j * r.key_stride;
+      const float x = static_cast<float>(b[i]);
+      o[i] = std::isfinite(x) ? static_cast<T>(x + sign * c) : b[i];
     }
   }
 }
 
 // The shift (lse_out given) or the restore (lse_out null), on checked rows.
-void run(const at::Tensor& bias, const at::Tensor& logsumexp, float* lse_out, float* shifts,
-         const ShiftRows& rows) {
+void run(const at::Tensor& bias, const at::Tensor& out, const at::Tensor& logsumexp,
+         float* lse_out, float* shifts, const ShiftRows& rows) {
   if (rows.groups() == 0 || rows.entries() == 0) {
     return;
   }
 #ifdef OPENWAM_WITH_CUDA
   if (bias.is_cuda()) {
-    launch_score_shift(bias, logsumexp, lse_out, shifts, rows);
+    launch_score_shift(bias, out, logsumexp, lse_out, shifts, rows);
     return;
   }
 #endif
   const ShiftLimits limits = shift_limits(bias.scalar_type());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, bias.scalar_type(), "shift_scores", [&] {
-    shift_cpu<scalar_t>(bias, logsumexp, lse_out, shifts, rows, limits);
+    shift_cpu<scalar_t>(bias, out, logsumexp, lse_out, shifts, rows, limits);
   });
 }
 
@@ -101,6 +104,20 @@ ShiftRows shift_rows(const at::Tensor& bias, const at::Tensor& logsumexp) {
   }
   r.keys = bias.size(3);
   r.key_stride = bias.stride(3);
+  // Axes of one index neither broadcast nor break a run.
+  const int64_t sizes[3] = {r.batch, r.heads, r.rows};
+  bool seen_broadcast = false;
+  r.contiguous = true;
+  for (int64_t d = 0; d < 3; ++d) {
+    if (sizes[d] == 1) {
+      continue;
+    }
+    if (r.broadcast[d]) {
+      seen_broadcast = true;
+    } else if (seen_broadcast) {
+      r.contiguous = false;
+    }
+  }
   return r;
 }
 
@@ -111,23 +128,38 @@ ShiftLimits shift_limits(at::ScalarType dtype) {
   return {-32.0f, std::ldexp(1.0f, 126)};
 }
 
-ShiftedScores shift_scores(const at::Tensor& bias, const at::Tensor& logsumexp) {
+ShiftedScores shift_scores(const at::Tensor& bias, const at::Tensor& logsumexp, BiasWrite write) {
   check_shift_inputs(bias, logsumexp);
-  const ShiftRows rows = shift_rows(bias, logsumexp);
-  const int64_t n = logsumexp.numel(), groups = rows.groups();
-  const at::Tensor buffer = at::empty({n + groups}, logsumexp.options());
-  ShiftedScores s{buffer.narrow(0, 0, n).view(logsumexp.sizes()), buffer.narrow(0, n, groups),
-                  rows};
-  run(bias, logsumexp, s.logsumexp.data_ptr<float>(), s.shifts.data_ptr<float>(), rows);
+  ShiftedScores s;
+  s.rows = shift_rows(bias, logsumexp);
+  const int64_t n = logsumexp.numel(), groups = s.rows.groups();
+  if (write == BiasWrite::kAuto) {
+    const bool small = groups * s.rows.keys * bias.element_size() <= n * int64_t{sizeof(float)};
+    write = small ? BiasWrite::kCopy : BiasWrite::kInPlace;
+  }
+  const bool in_place = write == BiasWrite::kInPlace;
+  // One allocation, sized to the logsumexp in place (a view through the
+  // dispatcher costs host time on every shifted backward); in place, each
+  // row's c follows its entries.
+  s.logsumexp = at::empty({n + (in_place ? groups : 0)}, logsumexp.options());
+  s.logsumexp.unsafeGetTensorImpl()->set_sizes_contiguous(logsumexp.sizes());
+  if (in_place) {
+    s.shifts = s.logsumexp.data_ptr<float>() + n;
+  } else {
+    s.bias = at::empty_strided(bias.sizes(), bias.strides(), bias.options());
+  }
+  run(bias, in_place ? bias : s.bias, logsumexp, s.logsumexp.data_ptr<float>(), s.shifts, s.rows);
   return s;
 }
 
 void unshift_scores(const at::Tensor& bias, const ShiftedScores& shifted) {
-  run(bias, shifted.logsumexp, nullptr, shifted.shifts.data_ptr<float>(), shifted.rows);
+  if (shifted.shifts != nullptr) {
+    run(bias, bias, shifted.logsumexp, nullptr, shifted.shifts, shifted.rows);
+  }
 }
 
 ScopedScoreShift::ScopedScoreShift(bool on, const at::Tensor& bias, const at::Tensor& logsumexp)
-    : given_(logsumexp) {
+    : given_bias_(bias), given_lse_(logsumexp) {
   if (!on) {
     return;
   }
@@ -140,23 +172,21 @@ ScopedScoreShift::ScopedScoreShift(bool on, const at::Tensor& bias, const at::Te
               "openwam::_cudnn_sdpa_backward: the plan shift_scores needs a 4-D bias with "
               "contiguous keys (a bool mask's, as openwam::sdpa makes it), got sizes ",
               bias.sizes(), " and strides ", bias.strides());
-  given_ = logsumexp.contiguous();
-  shifted_ = shift_scores(bias, given_);
-  bias_ = bias;
+  shifted_ = shift_scores(bias, logsumexp.contiguous());
 }
 
 void ScopedScoreShift::ran() const {
-  if (bias_.defined() && bias_.is_cuda()) {
+  if (shifted_.logsumexp.defined() && given_bias_.is_cuda()) {
     frontend::stats().score_shift_backwards++;
   }
 }
 
 ScopedScoreShift::~ScopedScoreShift() {
-  if (!bias_.defined()) {
+  if (shifted_.shifts == nullptr) {
     return;
   }
   try {
-    unshift_scores(bias_, shifted_);
+    unshift_scores(given_bias_, shifted_);
   } catch (const std::exception& e) {
     // A destructor may not throw; a failed launch leaves CUDA's error set, and
     // the next call raises it.

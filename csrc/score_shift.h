@@ -18,9 +18,13 @@
 // below stock's. In the op: 1.004x-1.039x stock's fwd+bwd at 704x704 with a
 // bool mask and none to every row affected (H100, docs/performance.md).
 //
-// The bias is raised in place and restored after the backward, so that the
-// backward holds no second copy of it (peak memory stays stock's); the cost
-// is a second kernel launch. The restore is exact for 0 and -inf.
+// Where the bias is no larger than the shifted logsumexp (a key mask
+// [B, 1, 1, S]: one row per batch element, read by every head and query), the
+// shift writes a raised copy, and the backward reads that: one kernel. A
+// larger bias ([B, 1, L, S]) is raised in place and restored after the
+// backward, so that the backward holds no second copy of it (peak memory
+// stays stock's); the cost is a second kernel launch. The restore is exact
+// for 0 and -inf.
 //
 // The bias is shared by the query heads, and by the batch or the query rows
 // where it broadcasts, so c is one per bias row: a power of two that lifts
@@ -64,6 +68,11 @@ struct ShiftRows {
   bool broadcast[3];                // the bias's B, H, L axes
   int64_t strides[3];               // the bias's strides along them
   int64_t keys, key_stride;         // S and its stride
+  // Whether the broadcast axes (of more than one index) all follow the
+  // others: bias row g's entries are then logsumexp[g * entries() + e], one
+  // contiguous run (a key mask's heads x rows), which the kernel reads in
+  // vectors of registers.
+  bool contiguous;
   // How many bias rows there are, and how many logsumexp entries read each.
   C10_HOST_DEVICE int64_t groups() const {
     return (broadcast[0] ? 1 : batch) * (broadcast[1] ? 1 : heads) * (broadcast[2] ? 1 : rows);
@@ -94,23 +103,34 @@ struct ShiftRows {
 };
 ShiftRows shift_rows(const at::Tensor& bias, const at::Tensor& logsumexp);
 
-// What a shift leaves: the logsumexp the shifted backward reads, and each
-// bias row's c (for the restore), in one allocation; the rows, for the restore.
+// Where the shifted bias goes: a copy (no restore, a second bias in memory)
+// or the given bias (restored after). kAuto: a copy where it takes no more
+// bytes than the shifted logsumexp.
+enum class BiasWrite { kAuto, kInPlace, kCopy };
+
+// What a shift leaves: the logsumexp the shifted backward reads; the raised
+// copy of the bias, or, where the bias was raised in place, each bias row's c
+// for the restore (in the logsumexp's allocation, after its entries); the
+// rows, for the restore.
 struct ShiftedScores {
-  at::Tensor logsumexp;  // [B, H, L, 1] float32, contiguous
-  at::Tensor shifts;     // one float per bias row
+  at::Tensor logsumexp;     // [B, H, L, 1] float32, contiguous
+  at::Tensor bias;          // the raised copy; undefined where raised in place
+  float* shifts = nullptr;  // in place: one c per bias row, for the restore
   ShiftRows rows{};
 };
 
-// In place: `bias` ([B|1, H|1, L|1, S] in the inputs' dtype; its finite
-// entries 0, as a bool mask's) raised by each row's c. The logsumexp it
-// returns is `logsumexp` ([B, H, L, 1] float32, contiguous) plus its row's c,
-// the largest float where it is -inf. Axes of `bias` of size 1 or stride 0
-// broadcast: c is then one for every row reading it.
-ShiftedScores shift_scores(const at::Tensor& bias, const at::Tensor& logsumexp);
+// `bias` ([B|1, H|1, L|1, S] in the inputs' dtype; its finite entries 0, as
+// a bool mask's) raised by each row's c, in place or into a copy of its sizes
+// and strides (`write`). The logsumexp it returns is `logsumexp` ([B, H, L, 1]
+// float32, contiguous) plus its row's c, the largest float where it is -inf.
+// Axes of `bias` of size 1 or stride 0 broadcast: c is then one for every row
+// reading it.
+ShiftedScores shift_scores(const at::Tensor& bias, const at::Tensor& logsumexp,
+                           BiasWrite write = BiasWrite::kAuto);
 
-// `bias` back to what it held before the shift that gave `shifted`: each
-// row's c taken off again (exact for entries 0 and -inf).
+// `bias` back to what it held before the shift that gave `shifted`, where
+// that shift raised it in place: each row's c taken off again (exact for
+// entries 0 and -inf). A no-op after a copy.
 void unshift_scores(const at::Tensor& bias, const ShiftedScores& shifted);
 
 // c for a bias row whose smallest finite logsumexp is `min_lse` (+inf when
@@ -126,30 +146,36 @@ C10_HOST_DEVICE inline float shift_of(float min_lse, ShiftLimits limits) {
   return c < limits.cap ? c : limits.cap;
 }
 
-// shift_scores for one scope, where `on`: the bias is restored when the scope
-// ends, by an exception too. logsumexp() is what the backward reads.
+// shift_scores for one scope, where `on`: a bias raised in place is restored
+// when the scope ends, by an exception too.
 class ScopedScoreShift {
  public:
   ScopedScoreShift(bool on, const at::Tensor& bias, const at::Tensor& logsumexp);
   ~ScopedScoreShift();
   ScopedScoreShift(const ScopedScoreShift&) = delete;
   ScopedScoreShift& operator=(const ScopedScoreShift&) = delete;
+  // What the backward reads: the shifted logsumexp and bias where `on`, the
+  // given ones otherwise.
   const at::Tensor& logsumexp() const {
-    return shifted_.logsumexp.defined() ? shifted_.logsumexp : given_;
+    return shifted_.logsumexp.defined() ? shifted_.logsumexp : given_lse_;
   }
+  const at::Tensor& bias() const { return shifted_.bias.defined() ? shifted_.bias : given_bias_; }
   // The backward ran on the shifted scores: counted in frontend_stats() (CUDA).
   void ran() const;
 
  private:
-  at::Tensor bias_, given_;
+  at::Tensor given_bias_, given_lse_;
   ShiftedScores shifted_;
 };
 
 #ifdef OPENWAM_WITH_CUDA
-// The CUDA kernels (csrc/cuda/score_shift.cu): the shift, which writes
-// `lse_out` and `shifts`; with lse_out null, the restore from `shifts`.
-void launch_score_shift(const at::Tensor& bias, const at::Tensor& logsumexp, float* lse_out,
-                        float* shifts, const ShiftRows& rows);
+// The CUDA kernels (csrc/cuda/score_shift.cu). The shift (lse_out given):
+// `bias` raised into `bias_out` (the same tensor in place, else its copy), the
+// shifted logsumexp into `lse_out`, each row's c into `shifts` where not null.
+// The restore (lse_out null): `bias` lowered by `shifts`.
+void launch_score_shift(const at::Tensor& bias, const at::Tensor& bias_out,
+                        const at::Tensor& logsumexp, float* lse_out, float* shifts,
+                        const ShiftRows& rows);
 #endif
 
 }  // namespace openwam

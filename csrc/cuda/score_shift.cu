@@ -14,18 +14,28 @@ namespace openwam {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kWarpEntries = 256;  // more logsumexp entries a row: a block each
+// Logsumexp entries a thread holds in registers between the row's minimum and
+// its shifted write, where the row's entries are one contiguous run: all of a
+// warp's rows; a key mask's 24 heads x 360 queries in 9 a thread of a
+// 1024-thread block.
+template <int kGroup>
+constexpr int kCached = kGroup == 32 ? kWarpEntries / 32 : 16;
 
-// Bias row (gb, gh, gl)'s finite entries moved by `delta`, its keys shared by
-// `step` lanes (the shift raises, the restore lowers).
+// Bias row (gb, gh, gl)'s finite entries moved by `delta` from `src` into
+// `dst` (the same row in place, where rows with delta 0 are not written), its
+// keys shared by `step` lanes (the shift raises, the restore lowers).
 template <typename T>
-__device__ void move_row(T* bias, const ShiftRows& r, int64_t gb, int64_t gh, int64_t gl,
-                         float delta, int lane, int step) {
-  T* row = bias + r.bias_offset(gb, gh, gl);
+__device__ void move_row(const T* src, T* dst, const ShiftRows& r, int64_t gb, int64_t gh,
+                         int64_t gl, float delta, int lane, int step) {
+  if (delta == 0.0f && src == dst) {
+    return;
+  }
+  const int64_t first = r.bias_offset(gb, gh, gl);
   for (int64_t j = lane; j < r.keys; j += step) {
-    const float x = static_cast<float>(row[j * r.key_stride]);
-    if (isfinite(x)) {
-      row[j * r.key_stride] = static_cast<T>(x + delta);
-    }
+    const T v = src[first + j * r.key_stride];
+    const float x = static_cast<float>(v);
+    dst[first + j * r.key_stride] = isfinite(x) ? static_cast<T>(x + delta) : v;
   }
 }
 
@@ -33,17 +43,23 @@ __device__ void move_row(T* bias, const ShiftRows& r, int64_t gb, int64_t gh, in
 // (a [B, 1, L, S] mask: one per head), a whole block of kGroup threads where
 // many do (a key mask [B, 1, 1, S]: heads x rows), so that neither leaves the
 // GPU idle. The row's smallest finite logsumexp, its c (kept in `shifts` for
-// the restore), the shifted logsumexp, then the row's finite entries raised
-// by c. Ordinary rows (c == 0) leave the bias untouched.
+// the restore where not null), the shifted logsumexp, then the row's finite
+// entries raised by c into `bias_out` (`bias` itself in place, where ordinary
+// rows, c == 0, are not written). A row whose entries are one contiguous run
+// of at most kGroup * kCached is read once, into registers, all loads in
+// flight together.
 template <typename T, int kGroup>
 __global__ void __launch_bounds__(kGroup < kThreads ? kThreads : kGroup)
-    score_shift_kernel(T* bias, const float* lse, float* lse_out, float* shifts, ShiftRows r,
-                       ShiftLimits limits) {
+    score_shift_kernel(const T* bias, T* bias_out, const float* lse, float* lse_out,
+                       float* shifts, ShiftRows r, ShiftLimits limits) {
   constexpr int kBlock = kGroup < kThreads ? kThreads : kGroup;
   constexpr int kPerBlock = kBlock / kGroup;
   __shared__ float warp_min[kBlock / 32];
   const int64_t groups = r.groups(), entries = r.entries();
+  constexpr int kHeld = kCached<kGroup>;
+  const bool cached = r.contiguous && entries <= int64_t{kGroup} * kHeld;
   const int lane = threadIdx.x % kGroup;
+  float held[kHeld];
   // Block-uniform trip count: every thread reaches the __syncthreads below.
   for (int64_t base = int64_t{blockIdx.x} * kPerBlock; base < groups;
        base += int64_t{gridDim.x} * kPerBlock) {
@@ -54,7 +70,20 @@ __global__ void __launch_bounds__(kGroup < kThreads ? kThreads : kGroup)
       r.row_of(g, gb, gh, gl);
     }
     float m = INFINITY;
-    if (live) {
+    if (live && cached) {
+      const float* run = lse + g * entries;
+#pragma unroll
+      for (int i = 0; i < kHeld; ++i) {
+        const int64_t e = lane + int64_t{i} * kGroup;
+        held[i] = e < entries ? run[e] : INFINITY;
+      }
+#pragma unroll
+      for (int i = 0; i < kHeld; ++i) {
+        if (isfinite(held[i])) {
+          m = fminf(m, held[i]);
+        }
+      }
+    } else if (live) {
       for (int64_t e = lane; e < entries; e += kGroup) {
         const float x = lse[r.lse_index(gb, gh, gl, e)];
         if (isfinite(x)) {
@@ -80,17 +109,26 @@ __global__ void __launch_bounds__(kGroup < kThreads ? kThreads : kGroup)
       continue;
     }
     const float c = shift_of(m, limits);
-    if (lane == 0) {
+    if (lane == 0 && shifts != nullptr) {
       shifts[g] = c;
     }
-    for (int64_t e = lane; e < entries; e += kGroup) {
-      const int64_t i = r.lse_index(gb, gh, gl, e);
-      const float x = lse[i];
-      lse_out[i] = x == -INFINITY ? FLT_MAX : x + c;
+    if (cached) {
+      float* run = lse_out + g * entries;
+#pragma unroll
+      for (int i = 0; i < kHeld; ++i) {
+        const int64_t e = lane + int64_t{i} * kGroup;
+        if (e < entries) {
+          run[e] = held[i] == -INFINITY ? FLT_MAX : held[i] + c;
+        }
+      }
+    } else {
+      for (int64_t e = lane; e < entries; e += kGroup) {
+        const int64_t i = r.lse_index(gb, gh, gl, e);
+        const float x = lse[i];
+        lse_out[i] = x == -INFINITY ? FLT_MAX : x + c;
+      }
     }
-    if (c != 0.0f) {
-      move_row(bias, r, gb, gh, gl, c, lane, kGroup);
-    }
+    move_row(bias, bias_out, r, gb, gh, gl, c, lane, kGroup);
   }
 }
 
@@ -108,7 +146,7 @@ __global__ void score_unshift_kernel(T* bias, const float* shifts, ShiftRows r) 
     }
     int64_t gb, gh, gl;
     r.row_of(g, gb, gh, gl);
-    move_row(bias, r, gb, gh, gl, -c, lane, 32);
+    move_row(bias, bias, r, gb, gh, gl, -c, lane, 32);
   }
 }
 
@@ -118,25 +156,27 @@ int blocks_for(int64_t groups, int64_t per_block) {
 
 }  // namespace
 
-void launch_score_shift(const at::Tensor& bias, const at::Tensor& logsumexp, float* lse_out,
-                        float* shifts, const ShiftRows& rows) {
+void launch_score_shift(const at::Tensor& bias, const at::Tensor& bias_out,
+                        const at::Tensor& logsumexp, float* lse_out, float* shifts,
+                        const ShiftRows& rows) {
   const c10::cuda::CUDAGuard device(bias.device());
   const int64_t groups = rows.groups();
   const ShiftLimits limits = shift_limits(bias.scalar_type());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const bool wide = rows.entries() > 256;  // many logsumexp entries a row: a block each
+  const bool wide = rows.entries() > kWarpEntries;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, bias.scalar_type(), "score_shift", [&] {
+    scalar_t* out = bias_out.data_ptr<scalar_t>();
     if (lse_out == nullptr) {
       score_unshift_kernel<scalar_t><<<blocks_for(groups, kThreads / 32), kThreads, 0, stream>>>(
-          bias.data_ptr<scalar_t>(), shifts, rows);
+          out, shifts, rows);
     } else if (wide) {
       score_shift_kernel<scalar_t, 1024><<<blocks_for(groups, 1), 1024, 0, stream>>>(
-          bias.data_ptr<scalar_t>(), logsumexp.const_data_ptr<float>(), lse_out, shifts, rows,
-          limits);
+          bias.const_data_ptr<scalar_t>(), out, logsumexp.const_data_ptr<float>(), lse_out,
+          shifts, rows, limits);
     } else {
       score_shift_kernel<scalar_t, 32><<<blocks_for(groups, kThreads / 32), kThreads, 0, stream>>>(
-          bias.data_ptr<scalar_t>(), logsumexp.const_data_ptr<float>(), lse_out, shifts, rows,
-          limits);
+          bias.const_data_ptr<scalar_t>(), out, logsumexp.const_data_ptr<float>(), lse_out,
+          shifts, rows, limits);
     }
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -66,9 +66,41 @@ TEST_CASE("shift_rows: broadcast axes and axes of stride 0 share one c", "[shift
   CHECK(r.entries() == 1);
 }
 
+TEST_CASE("shift_rows: a contiguous row's entries are one run of the logsumexp", "[shift]") {
+  // The kernel reads a contiguous row as logsumexp[g * entries + e]: that must
+  // be lse_index's entry wherever shift_rows says contiguous.
+  const at::Tensor lse = at::zeros({2, 3, 5, 1});
+  const auto contiguous = [&](const at::Tensor& bias) {
+    const openwam::ShiftRows r = openwam::shift_rows(bias, lse);
+    for (int64_t g = 0; g < r.groups() && r.contiguous; ++g) {
+      int64_t gb, gh, gl;
+      r.row_of(g, gb, gh, gl);
+      for (int64_t e = 0; e < r.entries(); ++e) {
+        REQUIRE(r.lse_index(gb, gh, gl, e) == g * r.entries() + e);
+      }
+    }
+    return r.contiguous;
+  };
+  CHECK(contiguous(at::zeros({2, 1, 1, 7})));         // a key mask
+  CHECK(contiguous(at::zeros({1, 1, 1, 7})));         // one row for all
+  CHECK(contiguous(at::zeros({2, 3, 1, 7})));         // per head, every query
+  CHECK(contiguous(at::zeros({2, 3, 5, 7})));         // no broadcast
+  CHECK_FALSE(contiguous(at::zeros({2, 1, 5, 7})));   // heads between the rows
+  CHECK_FALSE(contiguous(at::zeros({1, 3, 5, 7})));   // batch apart from the rest
+  CHECK_FALSE(contiguous(at::zeros({1, 3, 1, 7})));
+  const at::Tensor one_head = at::zeros({2, 1, 5, 1});  // H = 1: the heads axis is no gap
+  CHECK(openwam::shift_rows(at::zeros({2, 1, 1, 7}), one_head).contiguous);
+  CHECK(openwam::shift_rows(at::zeros({1, 1, 5, 7}), one_head).contiguous == false);
+}
+
 TEST_CASE("shift_scores: each bias row's c, -inf rows to the largest float, bias restored",
           "[shift]") {
-  for (const at::ScalarType dtype : {at::kBFloat16, at::kHalf, at::kFloat}) {
+  using openwam::BiasWrite;
+  for (const auto& [dtype, write] :
+       {std::pair{at::kBFloat16, BiasWrite::kInPlace}, std::pair{at::kHalf, BiasWrite::kInPlace},
+        std::pair{at::kFloat, BiasWrite::kInPlace}, std::pair{at::kBFloat16, BiasWrite::kCopy},
+        std::pair{at::kHalf, BiasWrite::kCopy}, std::pair{at::kFloat, BiasWrite::kCopy}}) {
+    CAPTURE(dtype, write == BiasWrite::kCopy);
     // [B=2, 1, L=3, S=4] bias; logsumexp [2, H=2, 3, 1].
     at::Tensor keep = at::ones({2, 1, 3, 4}, at::kBool);
     keep.index_put_({1, 0, 2}, false);  // row (1, 2) sees no key
@@ -80,8 +112,18 @@ TEST_CASE("shift_scores: each bias row's c, -inf rows to the largest float, bias
                                        -1.0f, -20.0f, -kInf,   // b1 h0
                                        4.0f, -33.0f, -kInf})   // b1 h1
                                .reshape({2, 2, 3, 1});
-    const openwam::ShiftedScores s = openwam::shift_scores(bias, lse);
+    const openwam::ShiftedScores s = openwam::shift_scores(bias, lse, write);
     const at::Tensor& shifted = s.logsumexp;
+    CHECK(shifted.sizes() == lse.sizes());
+    CHECK(shifted.is_contiguous());
+    // Where the bias was copied, the given one is untouched and the copy has
+    // its strides.
+    CHECK(s.bias.defined() == (write == BiasWrite::kCopy));
+    const at::Tensor raised = s.bias.defined() ? s.bias : bias;
+    if (s.bias.defined()) {
+      CHECK(at::equal(bias, before));
+      CHECK(s.bias.strides() == bias.strides());
+    }
     // Row (b, i): c from the smallest finite logsumexp over the heads. fp16
     // also lifts row (1, 0), whose smallest is -1.
     const float c10 = dtype == at::kHalf ? 2.0f : 0.0f;
@@ -95,15 +137,38 @@ TEST_CASE("shift_scores: each bias row's c, -inf rows to the largest float, bias
         }
       }
       for (int i = 0; i < 3; ++i) {
-        const at::Tensor row = bias[b][0][i].to(at::kFloat);
+        const at::Tensor row = raised[b][0][i].to(at::kFloat);
         const at::Tensor want = before[b][0][i].to(at::kFloat) + c[b][i];
         CHECK(at::equal(row, want));  // -inf + c is -inf
       }
     }
-    CHECK(at::equal(s.shifts, at::tensor({0.0f, 64.0f, 128.0f, c10, 64.0f, 0.0f})));
+    if (write == BiasWrite::kInPlace) {
+      CHECK(at::equal(at::from_blob(s.shifts, {6}),
+                      at::tensor({0.0f, 64.0f, 128.0f, c10, 64.0f, 0.0f})));
+    } else {
+      CHECK(s.shifts == nullptr);  // nothing to restore
+    }
     openwam::unshift_scores(bias, s);
     CHECK(at::equal(bias, before));
   }
+}
+
+TEST_CASE("shift_scores: the bias is copied where it is no larger than the logsumexp",
+          "[shift]") {
+  const at::Tensor lse = at::full({2, 3, 5, 1}, -100.0f);  // 30 entries, 120 bytes
+  const auto copied = [&](const at::Tensor& bias) {
+    const at::Tensor before = bias.clone();
+    const openwam::ShiftedScores s = openwam::shift_scores(bias, lse);
+    const bool copy = s.bias.defined();
+    CHECK(at::equal(bias, before) == copy);  // in place, the rows were raised
+    openwam::unshift_scores(bias, s);
+    CHECK(at::equal(bias, before));
+    return copy;
+  };
+  CHECK(copied(at::zeros({2, 1, 1, 7}, at::kBFloat16)));   // a key mask: 28 bytes
+  CHECK(copied(at::zeros({2, 1, 5, 6}, at::kBFloat16)));   // 120 bytes
+  CHECK_FALSE(copied(at::zeros({2, 1, 5, 7}, at::kBFloat16)));  // 140 bytes
+  CHECK_FALSE(copied(at::zeros({2, 1, 5, 6}, at::kFloat)));     // 240 bytes
 }
 
 TEST_CASE("shift_scores: the backward on shifted scores is the unshifted one", "[shift]") {
@@ -130,20 +195,23 @@ TEST_CASE("shift_scores: the backward on shifted scores is the unshifted one", "
     CHECK(lse.nan_to_num(0, 0, 0).min().item<float>() < -90.0f);
     const auto [dq0, dk0, dv0] =
         openwam::reference_backward(go, q, k, v, out, lse, bias, false, std::nullopt);
-    const at::Tensor before = bias.clone();
-    const openwam::ShiftedScores s = openwam::shift_scores(bias, lse);
-    const at::Tensor& shifted = s.logsumexp;
-    // No row left below -32 (the shifted ones at >= 0): exp(0 - lse) stays
-    // far from float's overflow, so the defect cannot fire.
-    CHECK(shifted.min().item<float>() >= openwam::shift_limits(at::kFloat).below);
-    CHECK_FALSE(at::equal(bias, before));
-    const auto [dq, dk, dv] =
-        openwam::reference_backward(go, q, k, v, out, shifted, bias, false, std::nullopt);
-    openwam::unshift_scores(bias, s);
-    CHECK(at::equal(bias, before));
-    for (const auto& [a, b] : {std::pair{dq, dq0}, std::pair{dk, dk0}, std::pair{dv, dv0}}) {
-      CHECK(a.isfinite().all().item<bool>());
-      CHECK(max_abs_diff(a, b) <= 1e-4 * b.abs().max().item<double>());
+    for (const openwam::BiasWrite write : {openwam::BiasWrite::kInPlace, openwam::BiasWrite::kCopy}) {
+      const at::Tensor before = bias.clone();
+      const openwam::ShiftedScores s = openwam::shift_scores(bias, lse, write);
+      const at::Tensor& shifted = s.logsumexp;
+      const at::Tensor raised = s.bias.defined() ? s.bias : bias;
+      // No row left below -32 (the shifted ones at >= 0): exp(0 - lse) stays
+      // far from float's overflow, so the defect cannot fire.
+      CHECK(shifted.min().item<float>() >= openwam::shift_limits(at::kFloat).below);
+      CHECK_FALSE(at::equal(raised, before));
+      const auto [dq, dk, dv] =
+          openwam::reference_backward(go, q, k, v, out, shifted, raised, false, std::nullopt);
+      openwam::unshift_scores(bias, s);
+      CHECK(at::equal(bias, before));
+      for (const auto& [a, b] : {std::pair{dq, dq0}, std::pair{dk, dk0}, std::pair{dv, dv0}}) {
+        CHECK(a.isfinite().all().item<bool>());
+        CHECK(max_abs_diff(a, b) <= 1e-4 * b.abs().max().item<double>());
+      }
     }
   }
 }
