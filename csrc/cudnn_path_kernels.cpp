@@ -328,9 +328,15 @@ Plan plan_of_call(const char* op, int64_t plan_bits, double dropout_p) {
 // is_causal, which decide() never sends: cudnn_rejects). Found by opcheck on
 // direct calls of the leaf op (review).
 void check_forward_plan(const char* op, const Plan& plan, const std::optional<at::Tensor>& bias,
-                        bool is_causal, const at::Tensor& query) {
+                        bool is_causal, double dropout_p, const at::Tensor& query) {
   TORCH_CHECK(!(bias.has_value() && is_causal), op,
               ": takes an attn_bias or is_causal, not both (fold the causal part into the bias)");
+  // cuDNN's forward faulted on such a call (an illegal memory access: H100,
+  // cuDNN 9.19.0, frontend graph with the padding mask, batch 1); openwam::sdpa
+  // hands these calls to PyTorch (decision: "dropout with s_q == 1").
+  TORCH_CHECK(!(dropout_p > 0.0 && query.sym_size(2) == 1), op,
+              ": dropout with a single query row is not run on cuDNN (openwam::sdpa hands such "
+              "calls to PyTorch), got dropout_p ", dropout_p);
   TORCH_CHECK(!plan.pad_query_backward || query.sym_size(2) == 1, op,
               ": the plan pad_query_backward is for a single query row, got ",
               query.sym_size(2), " rows");
@@ -356,7 +362,7 @@ Tensors4 forward_with_plan(const at::Tensor& query, const at::Tensor& key,
                                      plan_bits);
   }
   const Plan plan = plan_of_call("openwam::_cudnn_sdpa", plan_bits, dropout_p);
-  check_forward_plan("openwam::_cudnn_sdpa", plan, attn_bias, is_causal, query);
+  check_forward_plan("openwam::_cudnn_sdpa", plan, attn_bias, is_causal, dropout_p, query);
   at::Tensor k = key, v = value;
   at::Tensor bias = bias_keys(attn_bias.value_or(at::Tensor()), key.size(2));
   bool causal = is_causal;
@@ -536,7 +542,7 @@ Tensors4 frontend_forward(const at::Tensor& query, const at::Tensor& key,
                           bool compute_log_sumexp, int64_t plan_bits) {
   check_leaf_inputs("openwam::_cudnn_sdpa", {query, key, value, attn_bias}, true);
   const Plan plan = plan_of_call("openwam::_cudnn_sdpa", plan_bits, dropout_p);
-  check_forward_plan("openwam::_cudnn_sdpa", plan, attn_bias, is_causal, query);
+  check_forward_plan("openwam::_cudnn_sdpa", plan, attn_bias, is_causal, dropout_p, query);
   if (!current_settings().frontend) {
     return forward_with_plan<kAtenEngine>(query, key, value, attn_bias, dropout_p, is_causal,
                                           scale, compute_log_sumexp, plan_bits);

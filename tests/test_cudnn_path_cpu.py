@@ -142,6 +142,16 @@ def test_shift_scores_needs_a_bias_with_contiguous_keys():
             SHIFT_SCORES)
 
 
+def test_the_forward_refuses_dropout_with_one_query_row():
+    """cuDNN's forward faulted on dropout with a single query row (an illegal
+    memory access: H100, cuDNN 9.19.0, frontend graph with the padding mask).
+    openwam::sdpa hands such calls to PyTorch; the leaf op refuses them with
+    an error, never a fault."""
+    q, k, v = (torch.randn(1, 2, s, 8) for s in (1, 5, 5))
+    with pytest.raises(RuntimeError, match="dropout with a single query row is not run on cuDNN"):
+        FWD(q, k, v, None, 0.125, False, None, True, 0)
+
+
 def test_a_bias_broadcast_in_memory_is_shifted_once_and_restored():
     """A bias expanded along the batch and the queries (stride 0, as the
     one-query-row plan expands its bias) is one row in memory: the shift
