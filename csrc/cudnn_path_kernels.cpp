@@ -121,34 +121,6 @@ PaddedKeys pad_keys_for_cudnn(const at::Tensor& query, const at::Tensor& key,
           padded_keys_bias(query, bias, s_kv, s_padded, is_causal)};
 }
 
-// The inputs of a one-query-row backward grown to two rows: zero query, zero
-// output, zero upstream gradient, and a logsumexp so large that the new
-// row's probabilities are exactly 0. It adds nothing to dK and dV, and its dQ
-// row is dropped. cuDNN's backward for batch 1 and one query row with a very
-// negative logsumexp writes NaN into all of dK and dV (cudnn-frontend #1072;
-// this project measured it on 9.19.0); with two rows it does not.
-struct PaddedQuery {
-  at::Tensor query, grad_out, out, logsumexp, bias;
-};
-
-PaddedQuery pad_query_row(const at::Tensor& query, const at::Tensor& grad_out,
-                          const at::Tensor& out, const at::Tensor& logsumexp,
-                          const at::Tensor& bias) {
-  TORCH_INTERNAL_ASSERT(query.size(2) == 1);  // backward_with_plan checked the call
-  const auto grow = [](const at::Tensor& t, const c10::Scalar& fill) {
-    return pad_dim(t, 2, 2, fill);
-  };
-  PaddedQuery p{grow(query, 0), grow(grad_out, 0), grow(out, 0),
-                grow(logsumexp, std::numeric_limits<float>::max()), at::Tensor()};
-  if (bias.defined()) {
-    // A one-row bias broadcasts along the query axis: no copy.
-    std::vector<int64_t> sizes = bias.sizes().vec();
-    sizes[2] = 2;
-    p.bias = bias.expand(sizes);
-  }
-  return p;
-}
-
 // `t` with no elements (int64 on `device` where the engine gave none). A
 // tensor the engine just made is resized in place (metadata only): this runs
 // twice on every forward, and two allocations through the dispatcher cost
@@ -315,11 +287,18 @@ Tensors3 sliced_shim_backward(const Engine& engine, const at::Tensor& grad_out,
 // the padded keys too (pad_keys_forward), else the backward would replay it
 // over another key length, silently. The guard table never makes it; a direct
 // call of the leaf ops could.
-Plan plan_of_call(const char* op, int64_t plan_bits, double dropout_p) {
+// Dropout with a single query row is refused by both ops: cuDNN's forward
+// faulted on it (an illegal memory access: H100, cuDNN 9.19.0, frontend graph
+// with the padding mask, batch 1), and openwam::sdpa hands such calls to
+// PyTorch (decision: "dropout with s_q == 1").
+Plan plan_of_call(const char* op, int64_t plan_bits, double dropout_p, const at::Tensor& query) {
   const Plan plan = Plan::from_int(plan_bits);
   TORCH_CHECK(!(plan.pad_keys_backward && dropout_p > 0.0), op,
               ": the plan pad_keys_backward is for calls without dropout (with dropout the "
               "keys are padded in the forward: pad_keys_forward), got dropout_p ", dropout_p);
+  TORCH_CHECK(!(dropout_p > 0.0 && query.sym_size(2) == 1), op,
+              ": dropout with a single query row is not run on cuDNN (openwam::sdpa hands such "
+              "calls to PyTorch), got dropout_p ", dropout_p);
   return plan;
 }
 
@@ -328,15 +307,9 @@ Plan plan_of_call(const char* op, int64_t plan_bits, double dropout_p) {
 // is_causal, which decide() never sends: cudnn_rejects). Found by opcheck on
 // direct calls of the leaf op (review).
 void check_forward_plan(const char* op, const Plan& plan, const std::optional<at::Tensor>& bias,
-                        bool is_causal, double dropout_p, const at::Tensor& query) {
+                        bool is_causal, const at::Tensor& query) {
   TORCH_CHECK(!(bias.has_value() && is_causal), op,
               ": takes an attn_bias or is_causal, not both (fold the causal part into the bias)");
-  // cuDNN's forward faulted on such a call (an illegal memory access: H100,
-  // cuDNN 9.19.0, frontend graph with the padding mask, batch 1); openwam::sdpa
-  // hands these calls to PyTorch (decision: "dropout with s_q == 1").
-  TORCH_CHECK(!(dropout_p > 0.0 && query.sym_size(2) == 1), op,
-              ": dropout with a single query row is not run on cuDNN (openwam::sdpa hands such "
-              "calls to PyTorch), got dropout_p ", dropout_p);
   TORCH_CHECK(!plan.pad_query_backward || query.sym_size(2) == 1, op,
               ": the plan pad_query_backward is for a single query row, got ",
               query.sym_size(2), " rows");
@@ -361,8 +334,8 @@ Tensors4 forward_with_plan(const at::Tensor& query, const at::Tensor& key,
                                      dropout_p, is_causal, scale, compute_log_sumexp,
                                      plan_bits);
   }
-  const Plan plan = plan_of_call("openwam::_cudnn_sdpa", plan_bits, dropout_p);
-  check_forward_plan("openwam::_cudnn_sdpa", plan, attn_bias, is_causal, dropout_p, query);
+  const Plan plan = plan_of_call("openwam::_cudnn_sdpa", plan_bits, dropout_p, query);
+  check_forward_plan("openwam::_cudnn_sdpa", plan, attn_bias, is_causal, query);
   at::Tensor k = key, v = value;
   at::Tensor bias = bias_keys(attn_bias.value_or(at::Tensor()), key.size(2));
   bool causal = is_causal;
@@ -399,7 +372,7 @@ Tensors3 backward_with_plan(const at::Tensor& grad_out, const at::Tensor& query,
                                       aligned_operand(logsumexp), philox_seed, philox_offset,
                                       dropout_p, is_causal, scale, plan_bits);
   }
-  const Plan plan = plan_of_call("openwam::_cudnn_sdpa_backward", plan_bits, dropout_p);
+  const Plan plan = plan_of_call("openwam::_cudnn_sdpa_backward", plan_bits, dropout_p, query);
   // An upstream gradient broadcast along head_dim (out.sum().backward()
   // gives an expanded one) is materialised: the padding reads rows of it.
   const at::Tensor go_dense = grad_out.stride(-1) == 1 ? grad_out : grad_out.contiguous();
@@ -410,10 +383,10 @@ Tensors3 backward_with_plan(const at::Tensor& grad_out, const at::Tensor& query,
   TORCH_CHECK(!plan.pad_query_backward || query.size(2) == 1,
               "openwam::_cudnn_sdpa_backward: the plan pad_query_backward is for a "
               "single query row, got ", query.size(2), " rows");
-  if (plan.pad_query_backward && dropout_p == 0.0) {
-    // Batch 1, one query row: exact in fp32 and GEMV-sized, so no engine's
-    // backward runs (reference_attention.h says why). With dropout the
-    // engine must replay its own pattern: the query grows instead.
+  if (plan.pad_query_backward) {
+    // Batch 1, one query row (no dropout: plan_of_call): exact in fp32 and
+    // GEMV-sized, so no engine's backward runs (reference_attention.h says
+    // why).
     return finish_backward(
         single_row_backward(go_dense, query, key, value, bias, is_causal, scale),
         query, key, logsumexp, plan);
@@ -428,19 +401,12 @@ Tensors3 backward_with_plan(const at::Tensor& grad_out, const at::Tensor& query,
     PaddedKeys p = pad_keys_for_cudnn(query, key, value, given_bias, is_causal);
     k = p.key, v = p.value, bias = p.bias, causal = false;
   }
-  if (plan.pad_query_backward) {
-    PaddedQuery p = pad_query_row(q, go, o, lse, bias);
-    q = p.query, go = p.grad_out, o = p.out, lse = p.logsumexp, bias = p.bias;
-  }
   // A bool mask's bias on the key tail: the scores shifted, a bias raised in
   // place restored when the backward returns (score_shift.h).
   const ScopedScoreShift shift(plan.shift_scores, bias, lse);
   auto [dq, dk, dv] = engine.backward(go, q, k, v, o, shift.logsumexp(), philox_seed,
                                       philox_offset, shift.bias(), dropout_p, causal, scale);
   shift.ran();
-  if (plan.pad_query_backward) {
-    dq = like_input(query, dq);
-  }
   if (plan.pads_keys()) {
     dk = like_input(key, dk);
     dv = like_input(value, dv);
@@ -508,10 +474,9 @@ void note_fallback(const std::string& why_not, const Plan& plan) {
              warned == kMaxWarned ? " (the last such warning of this process)." : ".");
 }
 
-// The frontend's backward on inputs a plan padded: the K/V shim runs without
-// the padding mask, the grown query row with it.
-template <bool padding_mask>
-Tensors3 frontend_padded_backward(const at::Tensor& grad_out, const at::Tensor& q,
+// The frontend's backward on the K/V shim's padded inputs (no padding mask:
+// the padded keys' bias holds -inf past the real ones).
+Tensors3 frontend_shim_backward(const at::Tensor& grad_out, const at::Tensor& q,
                                   const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                                   const at::Tensor& logsumexp, const at::Tensor& philox_seed,
                                   const at::Tensor& philox_offset, const at::Tensor& bias,
@@ -519,30 +484,28 @@ Tensors3 frontend_padded_backward(const at::Tensor& grad_out, const at::Tensor& 
   Tensors3 grads;
   std::string why_not;
   if (frontend::sdpa_backward(grad_out, q, k, v, out, logsumexp, philox_seed, philox_offset,
-                              bias, dropout_p, is_causal, scale, padding_mask, grads,
+                              bias, dropout_p, is_causal, scale, /*padding_mask=*/false, grads,
                               why_not)) {
     return grads;
   }
   // The warning names what the fallback carries out: these inputs were
-  // padded for the K/V shim or grown by a query row.
+  // padded for the K/V shim.
   Plan padded;
-  (padding_mask ? padded.pad_query_backward : padded.pad_keys_backward) = true;
+  padded.pad_keys_backward = true;
   note_fallback(why_not, padded);
   return cudnn_backward(grad_out, q, k, v, out, logsumexp, philox_seed, philox_offset, bias,
                         dropout_p, is_causal, scale);
 }
 
-constexpr Engine kFrontendPaddedEngine{&cudnn_forward, &frontend_padded_backward<false>, true};
-constexpr Engine kFrontendGrownQueryEngine{&cudnn_forward, &frontend_padded_backward<true>,
-                                           true};
+constexpr Engine kFrontendPaddedEngine{&cudnn_forward, &frontend_shim_backward, true};
 
 Tensors4 frontend_forward(const at::Tensor& query, const at::Tensor& key,
                           const at::Tensor& value, const std::optional<at::Tensor>& attn_bias,
                           double dropout_p, bool is_causal, std::optional<double> scale,
                           bool compute_log_sumexp, int64_t plan_bits) {
   check_leaf_inputs("openwam::_cudnn_sdpa", {query, key, value, attn_bias}, true);
-  const Plan plan = plan_of_call("openwam::_cudnn_sdpa", plan_bits, dropout_p);
-  check_forward_plan("openwam::_cudnn_sdpa", plan, attn_bias, is_causal, dropout_p, query);
+  const Plan plan = plan_of_call("openwam::_cudnn_sdpa", plan_bits, dropout_p, query);
+  check_forward_plan("openwam::_cudnn_sdpa", plan, attn_bias, is_causal, query);
   if (!current_settings().frontend) {
     return forward_with_plan<kAtenEngine>(query, key, value, attn_bias, dropout_p, is_causal,
                                           scale, compute_log_sumexp, plan_bits);
@@ -575,7 +538,7 @@ Tensors3 frontend_backward(const at::Tensor& grad_out, const at::Tensor& query,
                            std::optional<double> scale, int64_t plan_bits) {
   check_leaf_inputs("openwam::_cudnn_sdpa_backward",
                     {query, key, value, attn_bias, grad_out, out, logsumexp}, true);
-  const Plan plan = plan_of_call("openwam::_cudnn_sdpa_backward", plan_bits, dropout_p);
+  const Plan plan = plan_of_call("openwam::_cudnn_sdpa_backward", plan_bits, dropout_p, query);
   if (!current_settings().frontend) {
     return backward_with_plan<kAtenEngine>(grad_out, query, key, value, attn_bias, out,
                                            logsumexp, philox_seed, philox_offset, dropout_p,
@@ -598,16 +561,11 @@ Tensors3 frontend_backward(const at::Tensor& grad_out, const at::Tensor& query,
   if (plan.pad_query_backward) {
     // Batch 1, one query row (cudnn-frontend #1072): the padding mask alone
     // left non-finite gradients in 25 of 360 degenerate cells (H200, cuDNN
-    // 9.19.0, tests/gpu/test_degenerate_gpu.py). Without dropout the
-    // backward is computed in fp32 (backward_with_plan); with dropout it
-    // gets a second, empty query row, as the ATen fallback does. The forward
-    // ran on the frontend with the padding mask, which covers the key tail:
-    // no K/V padding.
-    Plan grown = plan;
-    grown.pad_keys_backward = grown.pad_keys_forward = false;
-    return backward_with_plan<kFrontendGrownQueryEngine>(
+    // 9.19.0, tests/gpu/test_degenerate_gpu.py). The backward is computed in
+    // fp32 (backward_with_plan); no engine's runs.
+    return backward_with_plan<kFrontendPaddedEngine>(
         grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset,
-        dropout_p, is_causal, scale, grown.to_int());
+        dropout_p, is_causal, scale, plan_bits);
   }
   Tensors3 grads;
   std::string why_not;

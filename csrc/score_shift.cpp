@@ -166,7 +166,7 @@ ScopedScoreShift::ScopedScoreShift(bool on, const at::Tensor& bias, const at::Te
   TORCH_CHECK(bias.defined(), "openwam::_cudnn_sdpa_backward: the plan shift_scores is for "
               "calls with a bias (a bool mask's), got none");
   // The shift writes each bias row once: axes of stride 0 broadcast (one row
-  // for all their indices, as the one-query-row plan's expanded bias), but a
+  // for all their indices, as a bias expanded along the queries), but a
   // key of stride 0 would be raised once per key.
   TORCH_CHECK(bias.dim() == 4 && (bias.stride(3) == 1 || bias.size(3) <= 1),
               "openwam::_cudnn_sdpa_backward: the plan shift_scores needs a 4-D bias with "

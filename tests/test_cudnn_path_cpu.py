@@ -142,20 +142,25 @@ def test_shift_scores_needs_a_bias_with_contiguous_keys():
             SHIFT_SCORES)
 
 
-def test_the_forward_refuses_dropout_with_one_query_row():
+def test_the_leaf_ops_refuse_dropout_with_one_query_row():
     """cuDNN's forward faulted on dropout with a single query row (an illegal
     memory access: H100, cuDNN 9.19.0, frontend graph with the padding mask).
-    openwam::sdpa hands such calls to PyTorch; the leaf op refuses them with
-    an error, never a fault."""
+    openwam::sdpa hands such calls to PyTorch; both leaf ops refuse them with
+    an error, never a fault, whatever the plan."""
     q, k, v = (torch.randn(1, 2, s, 8) for s in (1, 5, 5))
-    with pytest.raises(RuntimeError, match="dropout with a single query row is not run on cuDNN"):
-        FWD(q, k, v, None, 0.125, False, None, True, 0)
+    out, lse, seed, offset = FWD(q, k, v, None, 0.0, False, None, True, 0)
+    for plan in (0, PADDING_MASK | PAD_QUERY_BACKWARD):
+        with pytest.raises(RuntimeError, match="dropout with a single query row is not run"):
+            FWD(q, k, v, None, 0.125, False, None, True, plan)
+        with pytest.raises(RuntimeError, match="dropout with a single query row is not run"):
+            BWD(torch.ones_like(out), q, k, v, None, out, lse, seed, offset, 0.125, False, None,
+                plan)
 
 
 def test_a_bias_broadcast_in_memory_is_shifted_once_and_restored():
-    """A bias expanded along the batch and the queries (stride 0, as the
-    one-query-row plan expands its bias) is one row in memory: the shift
-    raises it once, for the smallest logsumexp of every row reading it."""
+    """A bias expanded along the batch and the queries (stride 0) is one row
+    in memory: the shift raises it once, for the smallest logsumexp of every
+    row reading it."""
     (q, k, v), _, _, _ = inputs()
     lift_rows(q, k, [(0, 1, 2), (1, 0, 4)])
     keep = torch.rand(1, 1, 1, 70, generator=torch.Generator().manual_seed(5)) < 0.7
