@@ -287,18 +287,23 @@ Tensors3 sliced_shim_backward(const Engine& engine, const at::Tensor& grad_out,
 // the padded keys too (pad_keys_forward), else the backward would replay it
 // over another key length, silently. The guard table never makes it; a direct
 // call of the leaf ops could.
-// Dropout with a single query row is refused by both ops: cuDNN's forward
-// faulted on it (an illegal memory access: H100, cuDNN 9.19.0, frontend graph
-// with the padding mask, batch 1), and openwam::sdpa hands such calls to
-// PyTorch (decision: "dropout with s_q == 1").
+// Dropout with a single query row is refused by both ops, their Meta kernels
+// too: cuDNN's forward faulted on it (an illegal memory access: H100, cuDNN
+// 9.19.0, frontend graph with the padding mask, batch 1), and openwam::sdpa
+// hands such calls to PyTorch (decision: "dropout with s_q == 1"). Dropout
+// first: a symbolic query length is not guarded without it.
+void check_no_one_row_dropout(const char* op, double dropout_p, const at::Tensor& query) {
+  TORCH_CHECK(!(dropout_p > 0.0 && query.sym_size(2) == 1), op,
+              ": dropout with a single query row is not run on cuDNN (openwam::sdpa hands such "
+              "calls to PyTorch), got dropout_p ", dropout_p);
+}
+
 Plan plan_of_call(const char* op, int64_t plan_bits, double dropout_p, const at::Tensor& query) {
   const Plan plan = Plan::from_int(plan_bits);
   TORCH_CHECK(!(plan.pad_keys_backward && dropout_p > 0.0), op,
               ": the plan pad_keys_backward is for calls without dropout (with dropout the "
               "keys are padded in the forward: pad_keys_forward), got dropout_p ", dropout_p);
-  TORCH_CHECK(!(dropout_p > 0.0 && query.sym_size(2) == 1), op,
-              ": dropout with a single query row is not run on cuDNN (openwam::sdpa hands such "
-              "calls to PyTorch), got dropout_p ", dropout_p);
+  check_no_one_row_dropout(op, dropout_p, query);
   return plan;
 }
 
@@ -602,6 +607,7 @@ Tensors3 frontend_backward(const at::Tensor& grad_out, const at::Tensor& query,
 Tensors4 cudnn_sdpa_meta(const at::Tensor& query, const at::Tensor&, const at::Tensor& value,
                          const std::optional<at::Tensor>&, double dropout_p, bool,
                          std::optional<double>, bool compute_log_sumexp, int64_t) {
+  check_no_one_row_dropout("openwam::_cudnn_sdpa", dropout_p, query);
   const auto f32 = query.options().dtype(at::kFloat);
   at::Tensor lse = compute_log_sumexp
                        ? at::empty_symint({query.sym_size(0), query.sym_size(1),
@@ -618,8 +624,9 @@ Tensors4 cudnn_sdpa_meta(const at::Tensor& query, const at::Tensor&, const at::T
 Tensors3 cudnn_sdpa_backward_meta(
     const at::Tensor&, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const std::optional<at::Tensor>&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool,
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, double dropout_p, bool,
     std::optional<double>, int64_t) {
+  check_no_one_row_dropout("openwam::_cudnn_sdpa_backward", dropout_p, query);
   return {at::empty_like(query), at::empty_like(key), at::empty_like(value)};
 }
 

@@ -160,8 +160,8 @@ const std::vector<GuardRule>& table() {
        "9.19.0",
        "backward NaN in dK and dV for batch 1, s_q == 1 and a logsumexp below "
        "about -89 (not with is_causal)",
-       "the backward is computed in fp32 without cuDNN (with dropout: cuDNN's padding "
-       "mask and a second, zero query row)",
+       "the backward is computed in fp32 without cuDNN (dropout with one query row never "
+       "reaches cuDNN)",
        "cudnn-frontend #1072 (reported on 9.25.1 and 9.26); measured by this project on "
        "an H200 (torch 2.11.0, cuDNN 9.19.0)"},
       // Reported on 9.25.1.1 and 9.26.0.51 (torch 2.15.0's pin); the versions
@@ -176,8 +176,8 @@ const std::vector<GuardRule>& table() {
        "(torch 2.15 pins 9.26.0; no fix known)",
        "backward NaN in all of dK and dV for batch 1, s_q == 1 and a very "
        "negative logsumexp",
-       "the backward is computed in fp32 without cuDNN (with dropout: cuDNN's padding "
-       "mask and a second, zero query row)",
+       "the backward is computed in fp32 without cuDNN (dropout with one query row never "
+       "reaches cuDNN)",
        "cudnn-frontend #1072 (reported on 9.25.1.1 and 9.26.0.51, torch 2.15.0's "
        "pin); conservative: measured on 9.19.0 only (row above; its causal calls in "
        "bf16 at head_dim 64, 128 and 256)"},

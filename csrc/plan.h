@@ -46,9 +46,8 @@ struct Plan {
   bool pad_keys_forward = false;
   // The one-query-row defect (batch 1), on both engines: the backward is
   // computed in fp32 with ATen ops (single_row_backward, reference_attention.h).
-  // With dropout, which only a direct call of the leaf op brings here
-  // (openwam::sdpa keeps dropout with one query row off cuDNN), it runs on
-  // cuDNN with a second, zero query row (zero dO, zero output) instead.
+  // Never with dropout: the leaf ops refuse dropout with one query row
+  // (plan_of_call), and openwam::sdpa hands such calls to PyTorch.
   bool pad_query_backward = false;
 
   bool none() const {

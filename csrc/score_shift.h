@@ -18,13 +18,13 @@
 // below stock's. In the op: 1.004x-1.039x stock's fwd+bwd at 704x704 with a
 // bool mask and none to every row affected (H100, docs/performance.md).
 //
-// Where the bias is no larger than the shifted logsumexp (a key mask
+// Where the bias takes no more bytes than the shifted logsumexp (a key mask
 // [B, 1, 1, S]: one row per batch element, read by every head and query), the
 // shift writes a raised copy, and the backward reads that: one kernel. A
-// larger bias ([B, 1, L, S]) is raised in place and restored after the
-// backward, so that the backward holds no second copy of it (peak memory
-// stays stock's); the cost is a second kernel launch. The restore is exact
-// for 0 and -inf.
+// larger bias (a [B, 1, L, S] mask with S > 2H in bf16) is raised in place and
+// restored after the backward, so that the backward holds no second copy of
+// it (peak memory stays stock's); the cost is a second kernel launch. The
+// restore is exact for 0 and -inf.
 //
 // The bias is shared by the query heads, and by the batch or the query rows
 // where it broadcasts, so c is one per bias row: a power of two that lifts

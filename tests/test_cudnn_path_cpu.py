@@ -146,15 +146,19 @@ def test_the_leaf_ops_refuse_dropout_with_one_query_row():
     """cuDNN's forward faulted on dropout with a single query row (an illegal
     memory access: H100, cuDNN 9.19.0, frontend graph with the padding mask).
     openwam::sdpa hands such calls to PyTorch; both leaf ops refuse them with
-    an error, never a fault, whatever the plan."""
+    an error, never a fault, whatever the plan, and so do their Meta kernels
+    (a compiled direct call fails at its trace)."""
     q, k, v = (torch.randn(1, 2, s, 8) for s in (1, 5, 5))
     out, lse, seed, offset = FWD(q, k, v, None, 0.0, False, None, True, 0)
-    for plan in (0, PADDING_MASK | PAD_QUERY_BACKWARD):
-        with pytest.raises(RuntimeError, match="dropout with a single query row is not run"):
-            FWD(q, k, v, None, 0.125, False, None, True, plan)
-        with pytest.raises(RuntimeError, match="dropout with a single query row is not run"):
-            BWD(torch.ones_like(out), q, k, v, None, out, lse, seed, offset, 0.125, False, None,
-                plan)
+    for device in ("cpu", "meta"):
+        args = [t.to(device) for t in (q, k, v, out, lse, seed, offset)]
+        q_, k_, v_, out_, lse_, seed_, offset_ = args
+        for plan in (0, PADDING_MASK | PAD_QUERY_BACKWARD):
+            with pytest.raises(RuntimeError, match="dropout with a single query row is not run"):
+                FWD(q_, k_, v_, None, 0.125, False, None, True, plan)
+            with pytest.raises(RuntimeError, match="dropout with a single query row is not run"):
+                BWD(torch.ones_like(out_), q_, k_, v_, None, out_, lse_, seed_, offset_, 0.125,
+                    False, None, plan)
 
 
 def test_a_bias_broadcast_in_memory_is_shifted_once_and_restored():

@@ -85,7 +85,7 @@ def test_slices_of_batch_and_heads():
 
 
 def test_one_query_row_cut_from_two():
-    """pad_query_backward's dQ: the first of two query rows."""
+    """The first of two query rows (a narrowed copy of a row axis)."""
     _check(torch.empty(1, 4, 1, 64, device="cuda", dtype=torch.bfloat16),
            torch.randn(1, 4, 2, 64, device="cuda", dtype=torch.bfloat16), 2, 0.0)
 

@@ -1,8 +1,9 @@
 """The score shift's CUDA kernels (csrc/cuda/score_shift.cu) through the leaf
 ops, plan shift_scores (16) against the padding mask's plan (1) on the same
 inputs: every bias shape the kernels lay out differently (a warp per bias row
-where few logsumexp entries read it, a block where many do, a bias broadcast
-over the batch), bf16 and fp16, adversarial rows and fully masked rows. The
+where few logsumexp entries read it, a block where many do; entries read in
+one contiguous run or strided; the bias raised into a copy or in place), bf16
+and fp16, adversarial rows, ordinary rows and fully masked rows. The
 bias the caller holds must come back unchanged, the gradients must be finite
 and as close to float64 as the padding mask's, and the telemetry must count
 the shifted backwards. An fp16 row whose logsumexp is about -20 is shifted
@@ -28,9 +29,18 @@ BWD = torch.ops.openwam._cudnn_sdpa_backward.default
 PADDING_MASK, SHIFT_SCORES = 1, 16
 B, H, S_Q, S_KV, D = 2, 4, 96, 320, 64  # s_kv % 128 == 64: the key tail
 
-# bias shape: [B, 1, L, S] (a warp a row), [B, 1, 1, S] (H * L = 384 entries a
-# row: a block), [1, 1, L, S] (broadcast over the batch).
-BIAS_SHAPES = {"rows": (B, 1, S_Q, S_KV), "keys": (B, 1, 1, S_KV), "batch": (1, 1, S_Q, S_KV)}
+# (query rows, bias shape): each lays the kernel out another way. A bias row
+# read by at most 256 logsumexp entries gets a warp, else a block; a row whose
+# entries are one contiguous run of the logsumexp is read into registers; a
+# bias of no more bytes than the logsumexp is raised into a copy, a larger one
+# in place and restored.
+BIAS_CASES = {
+    "rows": (S_Q, (B, 1, S_Q, S_KV)),    # a warp a row (H entries), strided; in place
+    "keys": (S_Q, (B, 1, 1, S_KV)),      # a block (H * L = 384), contiguous; copy
+    "batch": (S_Q, (1, 1, S_Q, S_KV)),   # broadcast over the batch: a warp, strided; in place
+    "keys_short": (32, (B, 1, 1, S_KV)),  # a warp (H * L = 128), contiguous; in place
+    "heads_long": (160, (1, H, 1, S_KV)),  # a block (B * L = 320), strided; copy
+}
 
 
 def bool_bias(shape, dtype, seed, masked_row=None):
@@ -54,26 +64,32 @@ def rel(x, ref):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("shape", BIAS_SHAPES.values(), ids=BIAS_SHAPES.keys())
-def test_shifted_backward_matches_the_padding_mask(shape, dtype, ow):
+@pytest.mark.parametrize("case", BIAS_CASES.values(), ids=BIAS_CASES.keys())
+def test_shifted_backward_matches_the_padding_mask(case, dtype, ow):
+    """Batch 0 has adversarial rows, batch 1 none: bias rows with c > 0 and
+    c == 0 in every layout (a copy writes both; in place, only the first)."""
+    s_q, shape = case
     q, k, v = (t.detach() for t in
-               cuda_adversarial_qkv(B, H, S_Q, S_KV, D, (5, 60), dtype=dtype, seed=21))
-    go = cuda_randn(B, H, S_Q, D, seed=22).to(dtype)
-    bias, keep = bool_bias(shape, dtype, seed=23, masked_row=40)
+               cuda_adversarial_qkv(B, H, s_q, S_KV, D, (5, s_q - 10), dtype=dtype, seed=21))
+    q = q.clone()
+    q[1] = cuda_randn(H, s_q, D, seed=20).to(dtype)  # an ordinary batch element
+    go = cuda_randn(B, H, s_q, D, seed=22).to(dtype)
+    masked_row = s_q // 2
+    bias, keep = bool_bias(shape, dtype, seed=23, masked_row=masked_row)
     held = bias.clone()
     before = ow.frontend_stats()["score_shift_backwards"]
     shifted = leaf_grads(q, k, v, go, bias, SHIFT_SCORES)
     assert torch.equal(bias, held), "the bias was not restored"
     assert ow.frontend_stats()["score_shift_backwards"] == before + 1
     padded = leaf_grads(q, k, v, go, bias, PADDING_MASK)
-    ref, lse = reference(q, k, v, go, attn_mask=keep.expand(B, 1, S_Q, S_KV))
+    ref, lse = reference(q, k, v, go, attn_mask=keep.expand(B, shape[1], s_q, S_KV))
     assert float(lse[torch.isfinite(lse)].min()) < -88.7  # the defect's rows are there
     for name, a, b, r in zip(("out", "dq", "dk", "dv"), shifted, padded,
                              (ref.out, ref.dq, ref.dk, ref.dv)):
         assert bool(torch.isfinite(a).all()), name
         assert rel(a, r) <= 2 * rel(b, r) + 2e-3, (name, rel(a, r), rel(b, r))
     if shape[2] > 1:  # the row that sees no key: zero output and gradient
-        assert int(torch.count_nonzero(shifted[1][:, :, 40])) == 0
+        assert int(torch.count_nonzero(shifted[1][:, :, masked_row])) == 0
 
 
 @pytest.mark.skipif(torch.backends.cudnn.version() != 91900,
