@@ -42,8 +42,8 @@ enum class Fix {
                      // the frontend, and on the ATen fallback K/V padded to a
                      // multiple of 128 (with dropout, in the forward too)
   kSingleQueryRow,   // the one-query-row dK/dV defect: the backward in fp32
-                     // without cuDNN; with dropout, cuDNN's padding mask and a
-                     // second zero query row
+                     // without cuDNN (dropout with one query row never reaches
+                     // cuDNN)
 };
 
 struct GuardRule {
