@@ -381,7 +381,7 @@ Tensors3 backward_with_plan(const at::Tensor& grad_out, const at::Tensor& query,
   // An upstream gradient broadcast along head_dim (out.sum().backward()
   // gives an expanded one) is materialised: the padding reads rows of it.
   const at::Tensor go_dense = grad_out.stride(-1) == 1 ? grad_out : grad_out.contiguous();
-  at::Tensor q = query, k = key, v = value, go = go_dense, o = out, lse = logsumexp;
+  at::Tensor k = key, v = value;
   const at::Tensor given_bias = attn_bias.value_or(at::Tensor());  // maybe padded (bias_keys)
   at::Tensor bias = bias_keys(given_bias, key.size(2));
   bool causal = is_causal;
@@ -408,8 +408,8 @@ Tensors3 backward_with_plan(const at::Tensor& grad_out, const at::Tensor& query,
   }
   // A bool mask's bias on the key tail: the scores shifted, a bias raised in
   // place restored when the backward returns (score_shift.h).
-  const ScopedScoreShift shift(plan.shift_scores, bias, lse);
-  auto [dq, dk, dv] = engine.backward(go, q, k, v, o, shift.logsumexp(), philox_seed,
+  const ScopedScoreShift shift(plan.shift_scores, bias, logsumexp);
+  auto [dq, dk, dv] = engine.backward(go_dense, query, k, v, out, shift.logsumexp(), philox_seed,
                                       philox_offset, shift.bias(), dropout_p, causal, scale);
   shift.ran();
   if (plan.pads_keys()) {
@@ -482,10 +482,10 @@ void note_fallback(const std::string& why_not, const Plan& plan) {
 // The frontend's backward on the K/V shim's padded inputs (no padding mask:
 // the padded keys' bias holds -inf past the real ones).
 Tensors3 frontend_shim_backward(const at::Tensor& grad_out, const at::Tensor& q,
-                                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                                  const at::Tensor& logsumexp, const at::Tensor& philox_seed,
-                                  const at::Tensor& philox_offset, const at::Tensor& bias,
-                                  double dropout_p, bool is_causal, std::optional<double> scale) {
+                                const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                const at::Tensor& logsumexp, const at::Tensor& philox_seed,
+                                const at::Tensor& philox_offset, const at::Tensor& bias,
+                                double dropout_p, bool is_causal, std::optional<double> scale) {
   Tensors3 grads;
   std::string why_not;
   if (frontend::sdpa_backward(grad_out, q, k, v, out, logsumexp, philox_seed, philox_offset,

@@ -195,7 +195,8 @@ TEST_CASE("shift_scores: the backward on shifted scores is the unshifted one", "
     CHECK(lse.nan_to_num(0, 0, 0).min().item<float>() < -90.0f);
     const auto [dq0, dk0, dv0] =
         openwam::reference_backward(go, q, k, v, out, lse, bias, false, std::nullopt);
-    for (const openwam::BiasWrite write : {openwam::BiasWrite::kInPlace, openwam::BiasWrite::kCopy}) {
+    using openwam::BiasWrite;
+    for (const BiasWrite write : {BiasWrite::kInPlace, BiasWrite::kCopy}) {
       const at::Tensor before = bias.clone();
       const openwam::ShiftedScores s = openwam::shift_scores(bias, lse, write);
       const at::Tensor& shifted = s.logsumexp;
