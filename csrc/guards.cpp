@@ -18,7 +18,6 @@ constexpr long k9_26_0 = cudnn_version(9, 26, 0);
 // nothing says a later cuDNN fixed it (conservative where unmeasured).
 constexpr long kNoFixKnown = std::numeric_limits<long>::max();
 
-
 // The key-tail sweep on the H200 covered cuDNN 9.19.0 at head_dim 64 and 128,
 // the value's head_dim the query's (d_v 64 under d_qk 128 was not swept).
 bool key_tail_measured_stack(long version, const CallShape& s) {

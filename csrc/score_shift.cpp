@@ -51,10 +51,7 @@ void shift_cpu(const at::Tensor& bias, const at::Tensor& out, const at::Tensor& 
       sign = 1.0f;
       for (int64_t e = 0; e < r.entries(); ++e) {
         const int64_t i = entry(e);
-        const float x = lse[i];
-        lse_out[i] = x == -std::numeric_limits<float>::infinity()
-                         ? std::numeric_limits<float>::max()
-                         : x + c;
+        lse_out[i] = shifted_lse(lse[i], c);
       }
     } else {
       c = shifts[g];

@@ -15,7 +15,7 @@
 // ATen's wrappers, probe on branch probe/score-shift): 0 non-finite gradients
 // where stock had up to 852,480, batch 1 with one query row included, dQ
 // errors within the efficient backend's but one (1.08x it), dK and dV errors at or
-// below stock's. In the op: 1.004x-1.039x stock's fwd+bwd at 704x704 with a
+// below stock's. In the op: 1.003x-1.044x stock's fwd+bwd at 704x704 with a
 // bool mask and none to every row affected (H100, docs/performance.md).
 //
 // Where the bias takes no more bytes than the shifted logsumexp (a key mask
@@ -44,6 +44,7 @@
 #include <ATen/ATen.h>
 #include <c10/macros/Macros.h>
 
+#include <cfloat>
 #include <cmath>
 
 namespace openwam {
@@ -144,6 +145,13 @@ C10_HOST_DEVICE inline float shift_of(float min_lse, ShiftLimits limits) {
   frexpf(-min_lse, &e);  // -min_lse < 2^e
   const float c = ldexpf(1.0f, e < 0 ? 0 : (e > 126 ? 126 : e));  // 2^127 and up: the cap
   return c < limits.cap ? c : limits.cap;
+}
+
+// A logsumexp entry `x` on its row's shifted scores: x + c, the largest float
+// for a row that sees no key (x = -inf), so that its probabilities are 0. The
+// CPU reference and the kernels write it through this one function.
+C10_HOST_DEVICE inline float shifted_lse(float x, float c) {
+  return x == -INFINITY ? FLT_MAX : x + c;
 }
 
 // shift_scores for one scope, where `on`: a bias raised in place is restored

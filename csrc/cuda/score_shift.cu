@@ -5,7 +5,6 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
-#include <cfloat>
 #include <cstdint>
 
 #include "score_shift.h"
@@ -118,14 +117,13 @@ __global__ void __launch_bounds__(kGroup < kThreads ? kThreads : kGroup)
       for (int i = 0; i < kHeld; ++i) {
         const int64_t e = lane + int64_t{i} * kGroup;
         if (e < entries) {
-          run[e] = held[i] == -INFINITY ? FLT_MAX : held[i] + c;
+          run[e] = shifted_lse(held[i], c);
         }
       }
     } else {
       for (int64_t e = lane; e < entries; e += kGroup) {
         const int64_t i = r.lse_index(gb, gh, gl, e);
-        const float x = lse[i];
-        lse_out[i] = x == -INFINITY ? FLT_MAX : x + c;
+        lse_out[i] = shifted_lse(lse[i], c);
       }
     }
     move_row(bias, bias_out, r, gb, gh, gl, c, lane, kGroup);
