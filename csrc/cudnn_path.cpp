@@ -16,6 +16,8 @@
 #include "decision.h"
 #include "ops.h"
 #include "padding.h"
+#include "plan.h"
+#include "score_shift.h"
 
 namespace openwam {
 namespace {
@@ -104,7 +106,7 @@ struct CudnnSdpaBackward final : public Node {
 
 // The Autograd kernel of openwam::_cudnn_sdpa: runs the op below autograd and,
 // when q, k or v need a gradient, records CudnnSdpaBackward for its output.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cudnn_sdpa_autograd(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cudnn_sdpa_autograd(
     c10::DispatchKeySet keys, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value,
     const std::optional<at::Tensor>& attn_bias, double dropout_p, bool is_causal,
@@ -157,13 +159,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cudnn_sdpa_autograd(
     node->key = SavedVariable(key, false);
     node->value = SavedVariable(value, false);
     node->has_bias = attn_bias.has_value();
-    if (node->has_bias) {
+    node->plan = plan;
+    if (shifts_in_forward(Plan::from_int(plan), attn_bias, key.sym_size(2), compute_log_sumexp)) {
+      // The forward shifted the scores (score_shift.h): the backward takes
+      // the raised bias with the shifted logsumexp, on stock's graph, and
+      // keeps no reference to the bias itself.
+      node->bias = SavedVariable(std::get<4>(result), false);
+      Plan backward = Plan::from_int(plan);
+      backward.shift_scores = false;
+      node->plan = backward.to_int();
+    } else if (node->has_bias) {
       node->bias = SavedVariable(*attn_bias, false);
     }
     node->dropout_p = dropout_p;
     node->is_causal = is_causal;
     node->scale = scale;
-    node->plan = plan;
     const at::Tensor& out = std::get<0>(result);
     torch::autograd::set_history(out, node_ptr);
     node->out = SavedVariable(out, true);

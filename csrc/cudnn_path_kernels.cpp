@@ -39,7 +39,7 @@ namespace openwam {
 namespace {
 
 using Tensors3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
-using Tensors4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using Tensors5 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // The attention the padded-input plans are carried out around.
 struct Engine {
@@ -178,11 +178,36 @@ void check_finite_gradients(const at::Tensor& dq, const at::Tensor& dk,
               ", smallest logsumexp ", min_lse);
 }
 
-// The forward's outputs as the op's schema gives them.
-Tensors4 finish_forward(CudnnForward f, const at::Tensor& query, bool compute_log_sumexp,
-                        double dropout_p) {
+// The raised bias output of a forward that does not shift: the bias's sizes
+// with no keys (so that it has the bias's dims, which the DTensor rule
+// places as the bias), [0] without a bias. Meta kernel and kernels alike.
+at::Tensor no_raised_bias(const at::Tensor& query, const std::optional<at::Tensor>& bias) {
+  if (!bias.has_value()) {
+    return at::empty({0}, query.options());
+  }
+  std::vector<c10::SymInt> sizes(bias->sym_sizes().begin(), bias->sym_sizes().end());
+  sizes.back() = 0;
+  return at::empty_symint(sizes, bias->options());
+}
+
+// The forward's outputs as the op's schema gives them. Where the call shifts
+// its scores in the forward (`shift`: shifts_in_forward), its logsumexp is
+// shifted in place and the raised copy of `bias` (the bias it ran on) is the
+// last output.
+Tensors5 finish_forward(CudnnForward f, const at::Tensor& query, bool compute_log_sumexp,
+                        double dropout_p, bool shift, const at::Tensor& bias,
+                        const std::optional<at::Tensor>& attn_bias) {
   if (!compute_log_sumexp) {
     f.logsumexp = at::empty({0}, query.options().dtype(at::kFloat));
+  }
+  at::Tensor raised;
+  if (shift) {
+    if (!f.logsumexp.is_contiguous()) {
+      f.logsumexp = f.logsumexp.contiguous();
+    }
+    raised = shift_scores_in_forward(bias, f.logsumexp);
+  } else {
+    raised = no_raised_bias(query, attn_bias);
   }
   if (dropout_p == 0.0) {
     // Without dropout the philox state is unused (cuDNN leaves ATen's
@@ -191,7 +216,7 @@ Tensors4 finish_forward(CudnnForward f, const at::Tensor& query, bool compute_lo
     make_empty(f.philox_seed, query.device());
     make_empty(f.philox_offset, query.device());
   }
-  return {f.out, f.logsumexp, f.philox_seed, f.philox_offset};
+  return {f.out, f.logsumexp, f.philox_seed, f.philox_offset, raised};
 }
 
 // A backward's gradients, checked where OPENWAM_SDPA_CHECK_FINITE asks.
@@ -324,7 +349,7 @@ void check_forward_plan(const char* op, const Plan& plan, const std::optional<at
 
 // The kernels of the two ops for an engine (registered below per dispatch key).
 template <const Engine& engine>
-Tensors4 forward_with_plan(const at::Tensor& query, const at::Tensor& key,
+Tensors5 forward_with_plan(const at::Tensor& query, const at::Tensor& key,
                            const at::Tensor& value,
                            const std::optional<at::Tensor>& attn_bias, double dropout_p,
                            bool is_causal, std::optional<double> scale,
@@ -350,9 +375,10 @@ Tensors4 forward_with_plan(const at::Tensor& query, const at::Tensor& key,
     PaddedKeys p = pad_keys_for_cudnn(query, key, value, bias, is_causal);
     k = p.key, v = p.value, bias = p.bias, causal = false;
   }
+  const bool shift = shifts_in_forward(plan, attn_bias, key.size(2), compute_log_sumexp);
   return finish_forward(
       engine.forward(query, k, v, bias, compute_log_sumexp, dropout_p, causal, scale), query,
-      compute_log_sumexp, dropout_p);
+      compute_log_sumexp, dropout_p, shift, bias, attn_bias);
 }
 
 template <const Engine& engine>
@@ -504,7 +530,7 @@ Tensors3 frontend_shim_backward(const at::Tensor& grad_out, const at::Tensor& q,
 
 constexpr Engine kFrontendPaddedEngine{&cudnn_forward, &frontend_shim_backward, true};
 
-Tensors4 frontend_forward(const at::Tensor& query, const at::Tensor& key,
+Tensors5 frontend_forward(const at::Tensor& query, const at::Tensor& key,
                           const at::Tensor& value, const std::optional<at::Tensor>& attn_bias,
                           double dropout_p, bool is_causal, std::optional<double> scale,
                           bool compute_log_sumexp, int64_t plan_bits) {
@@ -524,11 +550,12 @@ Tensors4 frontend_forward(const at::Tensor& query, const at::Tensor& key,
   const bool prepare_backward =
       !plan.pad_query_backward &&
       !shim_takes_bias(plan, attn_bias.has_value(), key.size(2), dropout_p);
-  if (frontend::sdpa_forward(query, key, value,
-                             bias_keys(attn_bias.value_or(at::Tensor()), key.size(2)),
-                             compute_log_sumexp, dropout_p, is_causal, scale,
-                             plan.padding_mask, prepare_backward, f, why_not)) {
-    return finish_forward(std::move(f), query, compute_log_sumexp, dropout_p);
+  const at::Tensor bias = bias_keys(attn_bias.value_or(at::Tensor()), key.size(2));
+  if (frontend::sdpa_forward(query, key, value, bias, compute_log_sumexp, dropout_p, is_causal,
+                             scale, plan.padding_mask, prepare_backward, f, why_not)) {
+    return finish_forward(std::move(f), query, compute_log_sumexp, dropout_p,
+                          shifts_in_forward(plan, attn_bias, key.size(2), compute_log_sumexp),
+                          bias, attn_bias);
   }
   note_fallback(why_not, plan);
   return forward_with_plan<kAtenEngine>(query, key, value, attn_bias, dropout_p, is_causal,
@@ -603,10 +630,11 @@ Tensors3 frontend_backward(const at::Tensor& grad_out, const at::Tensor& query,
 // What ATen's own meta kernels of the cuDNN ops say: output like the query,
 // float32 logsumexp [B, H, L, 1], 0-dim int64 philox state on the meta
 // device (empty without dropout: forward_with_plan), gradients like their
-// inputs.
-Tensors4 cudnn_sdpa_meta(const at::Tensor& query, const at::Tensor&, const at::Tensor& value,
-                         const std::optional<at::Tensor>&, double dropout_p, bool,
-                         std::optional<double>, bool compute_log_sumexp, int64_t) {
+// inputs. The raised bias: the bias's sizes and strides where the forward
+// shifts (shifts_in_forward), else no_raised_bias.
+Tensors5 cudnn_sdpa_meta(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                         const std::optional<at::Tensor>& attn_bias, double dropout_p, bool,
+                         std::optional<double>, bool compute_log_sumexp, int64_t plan_bits) {
   check_no_one_row_dropout("openwam::_cudnn_sdpa", dropout_p, query);
   const auto f32 = query.options().dtype(at::kFloat);
   at::Tensor lse = compute_log_sumexp
@@ -617,8 +645,13 @@ Tensors4 cudnn_sdpa_meta(const at::Tensor& query, const at::Tensor&, const at::T
   const auto philox = at::TensorOptions().dtype(at::kLong).device(at::kMeta);
   const std::vector<int64_t> philox_sizes =
       dropout_p == 0.0 ? std::vector<int64_t>{0} : std::vector<int64_t>{};
+  const at::Tensor raised =
+      shifts_in_forward(Plan::from_int(plan_bits), attn_bias, key.sym_size(2), compute_log_sumexp)
+          ? at::empty_strided_symint(attn_bias->sym_sizes(), attn_bias->sym_strides(),
+                                     attn_bias->options())
+          : no_raised_bias(query, attn_bias);
   return {empty_like_cudnn_output(query, value.sym_size(-1)), lse,
-          at::empty(philox_sizes, philox), at::empty(philox_sizes, philox)};
+          at::empty(philox_sizes, philox), at::empty(philox_sizes, philox), raised};
 }
 
 Tensors3 cudnn_sdpa_backward_meta(

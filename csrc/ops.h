@@ -14,7 +14,7 @@ using SdpaSchema = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Te
                               const std::optional<at::Tensor>&, double, bool,
                               std::optional<double>, bool);
 
-using CudnnSdpaSchema = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+using CudnnSdpaSchema = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const std::optional<at::Tensor>&, double, bool, std::optional<double>, bool,
     int64_t);

@@ -19,7 +19,10 @@ TORCH_LIBRARY(openwam, m) {
   // (and the fix inside the backward) whole. 4-D [B, H, S, E] inputs, key and
   // value may have fewer heads; attn_bias additive in query's dtype; `plan`
   // is a Plan (plan.h). Outputs as ATen's cuDNN attention gives them;
-  // logsumexp is empty unless compute_log_sumexp. Seeded (its dropout draws
+  // logsumexp is empty unless compute_log_sumexp. A forward that shifts the
+  // scores for its backward (score_shift.h: shifts_in_forward) returns its
+  // logsumexp shifted and the raised bias, which its backward takes as
+  // attn_bias; otherwise raised_bias has no keys. Seeded (its dropout draws
   // from the CUDA generator), as ATen's attention ops are: a compiled
   // graph's activation checkpointing then recomputes it with the forward's
   // generator state (torch._functorch.partitioners.functionalize_rng_ops),
@@ -28,7 +31,7 @@ TORCH_LIBRARY(openwam, m) {
       "_cudnn_sdpa(Tensor query, Tensor key, Tensor value, Tensor? attn_bias, "
       "float dropout_p, bool is_causal, float? scale, bool compute_log_sumexp, "
       "int plan) -> (Tensor out, Tensor logsumexp, Tensor philox_seed, "
-      "Tensor philox_offset)",
+      "Tensor philox_offset, Tensor raised_bias)",
       {at::Tag::nondeterministic_seeded});
   m.def(
       "_cudnn_sdpa_backward(Tensor grad_out, Tensor query, Tensor key, "

@@ -149,6 +149,26 @@ ShiftedScores shift_scores(const at::Tensor& bias, const at::Tensor& logsumexp, 
   return s;
 }
 
+bool shifts_in_forward(const Plan& plan, const std::optional<at::Tensor>& bias,
+                       const c10::SymInt& s_kv, bool compute_log_sumexp) {
+  if (!plan.shift_scores || plan.pad_query_backward || plan.pads_keys() || !compute_log_sumexp ||
+      !bias.has_value() || bias->dim() != 4) {
+    return false;
+  }
+  return bias->sym_size(2) == 1 && bias->sym_size(3) == s_kv && bias->sym_stride(3) == 1;
+}
+
+at::Tensor shift_scores_in_forward(const at::Tensor& bias, const at::Tensor& logsumexp) {
+  check_shift_inputs(bias, logsumexp);
+  const ShiftRows rows = shift_rows(bias, logsumexp);
+  at::Tensor raised = at::empty_strided(bias.sizes(), bias.strides(), bias.options());
+  run(bias, raised, logsumexp, logsumexp.data_ptr<float>(), nullptr, rows);
+  if (bias.is_cuda()) {
+    frontend::stats().score_shift_backwards++;
+  }
+  return raised;
+}
+
 void unshift_scores(const at::Tensor& bias, const ShiftedScores& shifted) {
   if (shifted.shifts != nullptr) {
     run(bias, bias, shifted.logsumexp, nullptr, shifted.shifts, shifted.rows);

@@ -18,13 +18,19 @@
 // below stock's. In the op: 1.003x-1.044x stock's fwd+bwd at 704x704 with a
 // bool mask and none to every row affected (H100, docs/performance.md).
 //
-// Where the bias takes no more bytes than the shifted logsumexp (a key mask
-// [B, 1, 1, S]: one row per batch element, read by every head and query), the
-// shift writes a raised copy, and the backward reads that: one kernel. A
-// larger bias (a [B, 1, L, S] mask with S > 2H in bf16) is raised in place and
-// restored after the backward, so that the backward holds no second copy of
-// it (peak memory stays stock's); the cost is a second kernel launch. The
-// restore is exact for 0 and -inf.
+// Where the bias broadcasts over the query rows (a key mask [B, 1, 1, S]: one
+// row per batch element, read by every head and query), the forward shifts:
+// its logsumexp in place (the op's own output) and a raised copy of the bias,
+// which the backward reads instead of the bias, on stock's graph and with no
+// kernel of its own. The backward's host time is then stock's (one launch and
+// an allocation, about 4 us on an H100, moved into the forward, which had
+// 14 us to spare), and the shifted logsumexp takes the place of the
+// logsumexp: no second one held. The copy is 1/L of the bias a [B, 1, L, S]
+// mask would give. A bias with query rows is shifted at the backward: a raised
+// copy where it takes no more bytes than the shifted logsumexp, else in place,
+// restored after the backward, so that no second copy of it is held (peak
+// memory stays stock's; under torch.compile one bias can serve every layer);
+// the cost is a second kernel launch. The restore is exact for 0 and -inf.
 //
 // The bias is shared by the query heads, and by the batch or the query rows
 // where it broadcasts, so c is one per bias row: a power of two that lifts
@@ -44,8 +50,12 @@
 #include <ATen/ATen.h>
 #include <c10/macros/Macros.h>
 
+#include <optional>
+
 #include <cfloat>
 #include <cmath>
+
+#include "plan.h"
 
 namespace openwam {
 
@@ -128,6 +138,23 @@ struct ShiftedScores {
 // reading it.
 ShiftedScores shift_scores(const at::Tensor& bias, const at::Tensor& logsumexp,
                            BiasWrite write = BiasWrite::kAuto);
+
+// Whether the forward of a call shifts (its training forward, plan
+// shift_scores without the one-row backward, which reads no logsumexp, and
+// without padded keys, whose backward reads another bias): a
+// 4-D bias whose query axis has size 1 and whose keys are `s_kv`, contiguous.
+// Shared by the forward's kernels, its Meta kernel and the autograd node,
+// which then hands the raised bias to the backward and drops shift_scores
+// from its plan. Any other bias is shifted at the backward. The shift is
+// idempotent (every shifted row's logsumexp is >= 0, which no limit shifts
+// again): a backward given shifted scores and the plan still is right.
+bool shifts_in_forward(const Plan& plan, const std::optional<at::Tensor>& bias,
+                       const c10::SymInt& s_kv, bool compute_log_sumexp);
+
+// The forward's shift: `logsumexp` ([B, H, L, 1] float32, contiguous; the
+// forward's own) raised in place by each bias row's c, and the raised copy of
+// `bias` returned (its sizes and strides).
+at::Tensor shift_scores_in_forward(const at::Tensor& bias, const at::Tensor& logsumexp);
 
 // `bias` back to what it held before the shift that gave `shifted`, where
 // that shift raised it in place: each row's c taken off again (exact for

@@ -57,14 +57,16 @@ def test_reload_settings_retags(monkeypatch):
     assert sum(t.startswith("openwam_sdpa") for t in tags) == 2
 
 
-def test_a_tag_assigned_after_import_gets_the_build_tag_back(monkeypatch):
+def test_a_tag_assigned_after_import_gets_the_build_tag_back():
     """A user who assigns cache_key_tag after import drops our entries; the
     next reload_settings() adds both back, the build's too (review: it had
-    added the settings' alone)."""
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "changed-later")
-    openwam_sdpa.reload_settings()
-    assert torch.compiler.config.cache_key_tag.split(",") == [
-        "changed-later", _compile_cache.build_tag(_C.__file__), _compile_cache.settings_tag()]
+    added the settings' alone). The config's own patch() restores the tag
+    (pytest's monkeypatch deleted it from torch.compiler.config on undo, and
+    every later compile in the process raised AttributeError)."""
+    with torch.compiler.config.patch(cache_key_tag="changed-later"):
+        openwam_sdpa.reload_settings()
+        assert torch.compiler.config.cache_key_tag.split(",") == [
+            "changed-later", _compile_cache.build_tag(_C.__file__), _compile_cache.settings_tag()]
 
 
 def test_a_users_tag_is_kept_and_ours_replaced_not_repeated():

@@ -16,6 +16,7 @@ that on the real path.
 from __future__ import annotations
 
 import math
+import operator
 
 import pytest
 import torch
@@ -71,7 +72,7 @@ def inputs(B=2, H=3, Hkv=None, L=6, S=70, E=16, Ev=None, mask="none", rank=4,
 
 
 def run(q, k, v, bias, is_causal, plan, grad_out):
-    out, lse, seed, offset = FWD(q, k, v, bias, 0.0, is_causal, None, True, plan)
+    out, lse, _, _, _ = FWD(q, k, v, bias, 0.0, is_causal, None, True, plan)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out)
     return out, lse, (dq, dk, dv)
 
@@ -119,12 +120,71 @@ def test_shifted_scores_give_the_unshifted_attention(case):
     grad_out = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=torch.Generator().manual_seed(3))
     held = bias.clone()
     out, lse, g = run(q, k, v, bias, causal, SHIFT_SCORES, grad_out)
-    assert lse.min() < -90  # the shift had rows to raise
+    ref, ref_lse = reference(q, k, v, grad_out, mask, causal, enable_gqa=True)
+    assert ref_lse.min() < -90  # the shift had rows to raise
+    # A key mask's forward shifts (its logsumexp comes back shifted: float
+    # shifts rows below -32); a bias with query rows is shifted at the backward.
+    forward_shift = bias.shape[2] == 1
+    assert (lse.min() >= -32) == forward_shift, float(lse.min())
     assert torch.equal(bias, held)
-    ref, _ = reference(q, k, v, grad_out, mask, causal, enable_gqa=True)
     assert_close(out.double(), ref.out, 2e-5, 2e-5, "out")
     for name, a, b in zip(("dq", "dk", "dv"), g, ref[1:]):
         assert_close(a.double(), b, 5e-5, 5e-5, name)
+
+
+def test_a_key_mask_is_shifted_in_the_forward():
+    """plan shift_scores with a key mask [B, 1, 1, S]: the forward returns its
+    logsumexp shifted and the bias raised by the same power of two per bias
+    row (csrc/score_shift.h); the autograd node keeps the raised bias, not
+    the bias, and its backward runs without a shift of its own. The
+    gradients are the unshifted attention's. A bias with query rows comes
+    back with no keys (shifted at the backward)."""
+    (q, k, v), mask, bias, _ = inputs(mask="key_bool")
+    lift_rows(q, k, [(0, 1, 2), (1, 0, 4)])
+    grad_out = torch.randn(2, 3, 6, 16, generator=torch.Generator().manual_seed(3))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out, lse, _, _, raised = FWD(q, k, v, bias, 0.0, False, None, True, SHIFT_SCORES)
+    ref, ref_lse = reference(q, k, v, grad_out, mask, False, enable_gqa=True)
+    assert raised.shape == bias.shape and raised.stride() == bias.stride()
+    finite = torch.isfinite(bias)
+    assert torch.equal(finite, torch.isfinite(raised))
+    lift = (raised - bias).where(finite, 0)
+    c = lift.amax(dim=(1, 2, 3))  # one c per bias row: each batch element's
+    assert torch.equal(lift, c.view(-1, 1, 1, 1).expand_as(bias).where(finite, 0))
+    for b, cb in enumerate(c.tolist()):  # a power of two that lifts the row's logsumexp to >= 0
+        assert cb == 2.0 ** round(math.log2(cb)) and cb >= -float(ref_lse[b].min()), (b, cb)
+    assert_close(lse.squeeze(-1).double(), ref_lse + c.view(-1, 1, 1).double(), 2e-5, 2e-5,
+                 "shifted logsumexp")
+    held = {t.data_ptr() for t in saved}
+    assert raised.data_ptr() in held and bias.data_ptr() not in held
+    g = torch.autograd.grad(out, (q, k, v), grad_out)
+    for name, a, b in zip(("dq", "dk", "dv"), g, ref[1:]):
+        assert_close(a.double(), b, 5e-5, 5e-5, name)
+    (q, k, v), _, rows_bias, _ = inputs(mask="bool")
+    raised = FWD(q, k, v, rows_bias, 0.0, False, None, True, SHIFT_SCORES)[4]
+    assert raised.shape == rows_bias.shape[:-1] + (0,)
+
+
+def test_traced_key_mask_backward_takes_the_raised_bias():
+    """Under AOTAutograd the forward's raised bias feeds the backward op,
+    whose plan no longer shifts (the Meta kernel gives the raised bias the
+    bias's layout, so the trace matches the run)."""
+    (q, k, v), _, bias, _ = inputs(mask="key_bool")
+    graphs = traced_graphs(
+        lambda q, k, v, b: FWD(q, k, v, b, 0.0, False, None, True, SHIFT_SCORES)[0], q, k, v, bias)
+    node = next(n for n in graphs["backward"].graph.nodes
+                if str(n.target) == "openwam._cudnn_sdpa_backward.default")
+    assert node.args[-1] == 0
+    assert tuple(node.args[4].meta["val"].shape) == tuple(bias.shape)
+    fwd = graphs["forward"].graph
+    leaf = next(n for n in fwd.nodes if str(n.target) == "openwam._cudnn_sdpa.default")
+    saved = next(n for n in fwd.nodes if n.op == "output").args[0]
+    # The forward hands its raised bias (output 4) to the backward, not the bias.
+    assert any(isinstance(n, torch.fx.Node) and n.target is operator.getitem
+               and n.args == (leaf, 4) for n in saved)
+    assert not any(isinstance(n, torch.fx.Node) and n.op == "placeholder"
+                   and tuple(n.meta["val"].shape) == tuple(bias.shape) for n in saved)
 
 
 def test_shift_scores_needs_a_bias_with_contiguous_keys():
@@ -134,7 +194,7 @@ def test_shift_scores_needs_a_bias_with_contiguous_keys():
     (q, k, v), _, bias, _ = inputs(mask="bool")
     with pytest.raises(RuntimeError, match="the plan shift_scores is for calls with a bias"):
         FWD(q, k, v, None, 0.0, False, None, True, SHIFT_SCORES)
-    out, lse, seed, offset = FWD(q, k, v, bias, 0.0, False, None, True, SHIFT_SCORES)
+    out, lse, seed, offset, raised = FWD(q, k, v, bias, 0.0, False, None, True, SHIFT_SCORES)
     one_key = bias[..., :1].expand(bias.shape)
     with pytest.raises(RuntimeError, match="the plan shift_scores needs a 4-D bias with "
                                            "contiguous keys"):
@@ -149,7 +209,7 @@ def test_the_leaf_ops_refuse_dropout_with_one_query_row():
     an error, never a fault, whatever the plan, and so do their Meta kernels
     (a compiled direct call fails at its trace)."""
     q, k, v = (torch.randn(1, 2, s, 8) for s in (1, 5, 5))
-    out, lse, seed, offset = FWD(q, k, v, None, 0.0, False, None, True, 0)
+    out, lse, seed, offset, raised = FWD(q, k, v, None, 0.0, False, None, True, 0)
     for device in ("cpu", "meta"):
         args = [t.to(device) for t in (q, k, v, out, lse, seed, offset)]
         q_, k_, v_, out_, lse_, seed_, offset_ = args
@@ -174,7 +234,7 @@ def test_a_bias_broadcast_in_memory_is_shifted_once_and_restored():
     held = row.clone()
     grad_out = torch.randn(2, 3, 6, 16, generator=torch.Generator().manual_seed(3))
     out, lse, g = run(q, k, v, bias, False, SHIFT_SCORES, grad_out)
-    assert lse.min() < -90
+    assert lse.min() < -90  # shifted at the backward: the bias has query rows
     assert torch.equal(row, held)
     ref, _ = reference(q, k, v, grad_out, keep.expand(2, 1, 6, 70), False, enable_gqa=True)
     for name, a, b in zip(("dq", "dk", "dv"), g, ref[1:]):
@@ -202,7 +262,7 @@ def test_backward_op_checks_what_its_forward_gave():
     output of other sizes, raises naming them: ATen's cuDNN backward (the
     GPU fallback) would have read the empty buffer as statistics."""
     (q, k, v), _, _, _ = inputs()
-    out, lse, seed, offset = FWD(q, k, v, None, 0.0, False, None, True, 0)
+    out, lse, seed, offset, raised = FWD(q, k, v, None, 0.0, False, None, True, 0)
     with torch.no_grad():  # differentiated, the forward computes it whatever it is told
         empty = FWD(q, k, v, None, 0.0, False, None, False, 0)[1]
     assert empty.numel() == 0
@@ -356,7 +416,7 @@ def test_the_one_row_backward_is_as_accurate_as_bf16_allows():
     k[..., 0] += 10.0
     q, k, v, go = (t.to(torch.bfloat16) for t in (q, k, v, go))
     q.requires_grad_()
-    out, lse, _, _ = FWD(q, k, v, None, 0.0, False, None, True, PADDING_MASK | PAD_QUERY_BACKWARD)
+    out, lse, _, _, _ = FWD(q, k, v, None, 0.0, False, None, True, PADDING_MASK | PAD_QUERY_BACKWARD)
     (dq,) = torch.autograd.grad(out, (q,), go)
     q64 = q.detach().double().requires_grad_()
     want = torch.nn.functional.scaled_dot_product_attention(q64, k.double(), v.double())
@@ -380,7 +440,7 @@ def test_the_one_row_backward_takes_its_softmax_from_its_own_scores():
     k[:, :, 0] = -q[:, :, 0] * (110 * math.sqrt(E) / q[:, :, 0].square().sum(-1, keepdim=True))
     q, k, v, go = (t.half() for t in (q, k, v, go))
     plan = PADDING_MASK | PAD_QUERY_BACKWARD
-    out, lse, seed, offset = FWD(q, k, v, None, 0.0, True, None, True, plan)
+    out, lse, seed, offset, raised = FWD(q, k, v, None, 0.0, True, None, True, plan)
     assert float(lse.max()) < -100  # the adversarial row
     grads = []
     for shift in (0, 3):
@@ -395,7 +455,7 @@ def test_the_one_row_backward_takes_its_softmax_from_its_own_scores():
 
 def test_logsumexp_is_empty_unless_asked():
     (q, k, v), _, _, _ = inputs()
-    out, lse, _, _ = FWD(q.detach(), k.detach(), v.detach(), None, 0.0, False, None, False, 0)
+    out, lse, _, _, _ = FWD(q.detach(), k.detach(), v.detach(), None, 0.0, False, None, False, 0)
     assert lse.numel() == 0 and out.shape == q.shape
 
 
@@ -407,7 +467,7 @@ def test_a_call_recorded_without_gradients_trains():
     none): its gradients are the attention's. It had raised."""
     (q, k, v), mask, bias, causal = inputs(mask="bool")
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
-    out, lse, _, _ = FWD(q, k, v, bias, 0.0, causal, None, False, 0)
+    out, lse, _, _, _ = FWD(q, k, v, bias, 0.0, causal, None, False, 0)
     assert lse.numel() > 0
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     ref, _ = reference(q, k, v, grad_out, mask, causal, enable_gqa=True)
@@ -429,6 +489,7 @@ OPCHECK = {
     "plain": dict(),
     "bool_mask_padding_mask": dict(mask="bool", plan=PADDING_MASK),
     "bool_mask_shift_scores": dict(mask="bool", plan=SHIFT_SCORES),
+    "key_mask_shift_scores": dict(mask="key_bool", plan=SHIFT_SCORES),  # shifts in the forward
     "causal_key_tail": dict(is_causal=True, plan=KEY_TAIL),
     "gqa_bshd": dict(H=4, Hkv=2, layout="bshd"),
     "one_row_pad_query": dict(one_row=True, plan=PAD_QUERY_BACKWARD | PADDING_MASK),
@@ -452,7 +513,7 @@ def test_opcheck_backward(case):
     (q, k, v), _, bias, causal = inputs(**case, S=40)
     q, k, v = (t.detach().bfloat16() for t in (q, k, v))
     bias = None if bias is None else bias.bfloat16()
-    out, lse, seed, offset = FWD(q, k, v, bias, 0.0, causal, None, True, plan)
+    out, lse, seed, offset, raised = FWD(q, k, v, bias, 0.0, causal, None, True, plan)
     grad_out = torch.randn_like(out)
     torch.library.opcheck(BWD, (grad_out, q, k, v, bias, out, lse, seed, offset, 0.0, causal,
                                 None, plan))

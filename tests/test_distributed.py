@@ -38,7 +38,7 @@ WORLD = 2
 SPAWN_TIMEOUT_S = 300  # the cases take ~30 s; the margin is for a loaded machine
 
 # Plan bits of the leaf ops' `plan` argument (csrc/plan.cpp).
-PADDING_MASK, PAD_KEYS_BACKWARD = 1, 2
+PADDING_MASK, PAD_KEYS_BACKWARD, SHIFT_SCORES = 1, 2, 16
 
 CASES = {}
 
@@ -51,7 +51,8 @@ def case(fn):
 # ------------------------------------------------------------ case helpers
 
 def _forward(q, k, v, bias=None, compute_lse=True, plan=0):
-    return torch.ops.openwam._cudnn_sdpa(q, k, v, bias, 0.0, False, None, compute_lse, plan)
+    """out, lse, philox seed and offset (the raised bias: key_mask_shifted_in_the_forward)."""
+    return torch.ops.openwam._cudnn_sdpa(q, k, v, bias, 0.0, False, None, compute_lse, plan)[:4]
 
 
 def _inputs(B=2, H=4, L=24, S=40, D=16, Hkv=None, dtype=torch.float32, seed=0):
@@ -157,6 +158,46 @@ def bf16_heads_sharded_with_plans(mesh):
         for got, ref, name in zip((out, dq.grad, dk.grad, dv.grad),
                                   (want[0],) + want[2:], ("out", "dq", "dk", "dv")):
             _assert_same(got, ref, f"plan {plan}: {name}")
+
+
+@case
+def key_mask_shifted_in_the_forward(mesh):
+    """plan shift_scores with a key mask [B, 1, 1, S] (csrc/score_shift.h):
+    the forward's raised bias is placed as the bias is, sharded with a
+    batch-sharded q and replicated for a head-sharded one, and the backward
+    that reads it gives the single process's gradients. Batch-sharded, the
+    shifted logsumexp is the single process's too; head-sharded, each rank
+    takes c from its own heads (the local replicas of the raised bias may
+    differ: only that rank's backward reads its own). A row shifted by
+    another c rounds its scores s + c at another magnitude (fp32 ulps of
+    c), so head-sharded gradients agree to that, not to the bit."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    q, k, v, grad_out = _inputs()
+    keep = torch.rand(2, 1, 1, 40, generator=torch.Generator().manual_seed(6)) < 0.8
+    keep[..., 0] = True
+    bias = torch.zeros(2, 1, 1, 40).masked_fill(~keep, float("-inf"))
+    with torch.no_grad():  # rows whose logsumexp is about -100, for c = 128
+        k.add_(4.0)
+        q[0, 1, 3] = -6.0
+        q[1, 2, 5] = -6.0
+    want = _reference(q, k, v, grad_out, bias, plan=SHIFT_SCORES)
+    assert float(want[1].min()) >= 0  # the forward shifted every row it had to
+    tolerance = {0: {}, 1: dict(atol=1e-4, rtol=1e-3)}
+    for dim in (0, 1):
+        dq, dk, dv, dgrad = _distributed(mesh, [Shard(dim)] * 4, q, k, v, grad_out, leaves=3)
+        dbias = _distributed(mesh, [Replicate()], bias)[0]
+        out, lse, _, _, raised = torch.ops.openwam._cudnn_sdpa(
+            dq, dk, dv, dbias, 0.0, False, None, True, SHIFT_SCORES)
+        assert raised.placements == ((Shard(0),) if dim == 0 else (Replicate(),)), dim
+        assert tuple(raised.shape) == tuple(bias.shape), dim
+        out.backward(dgrad)
+        _assert_same(out, want[0], f"out, dim {dim}")
+        if dim == 0:
+            _assert_same(lse, want[1], "shifted lse, batch-sharded")
+        for name, t, w in zip(("dq", "dk", "dv"), (dq, dk, dv), want[2:]):
+            torch.testing.assert_close(t.grad.full_tensor(), w, **tolerance[dim],
+                                       msg=lambda m: f"{name}, dim {dim}: {m}")
 
 
 @case
@@ -315,7 +356,7 @@ def dropout_after_none_takes_its_own_philox_specs(mesh):
 
     for L, order in ((5, (0.0, 0.125)), (6, (0.125, 0.0))):
         for p in order:
-            for t in forward(L, p)[2:]:
+            for t in forward(L, p)[2:4]:  # the philox state
                 assert t.shape == t.to_local().shape == ((0,) if p == 0.0 else ()), \
                     (order, p, t.shape, t.to_local().shape)
 

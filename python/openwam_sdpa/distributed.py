@@ -207,15 +207,18 @@ def _cudnn_sdpa_rule(query, key, value, attn_bias, dropout_p, is_causal, scale,
 
     _refuse_sequence_sharding("_cudnn_sdpa", query=query, key=key, value=value)
     rest = [None] * 5  # dropout_p, is_causal, scale, compute_log_sumexp, plan
-    # outputs: out, logsumexp, philox_seed, philox_offset; inputs: q, k, v, bias, ...
+    # outputs: out, logsumexp, philox_seed, philox_offset, raised_bias;
+    # inputs: q, k, v, bias, ...
     bias = Replicate() if attn_bias is not None else None
-    strategies = [([Replicate()] * 4, [Replicate()] * 3 + [bias] + rest)]
+    strategies = [([Replicate()] * 5, [Replicate()] * 3 + [bias] + rest)]
     for dim in _sharded_dims(query, key):
         # An empty logsumexp (compute_log_sumexp=False) has no dim to shard.
         lse = Shard(dim) if compute_log_sumexp else Replicate()
+        # raised_bias has the bias's dims (its keys maybe 0), [0] without one.
+        on_bias = _bias_placement(attn_bias, dim)
         strategies.append((
-            [Shard(dim), lse, Replicate(), Replicate()],
-            [Shard(dim)] * 3 + [_bias_placement(attn_bias, dim)] + rest))
+            [Shard(dim), lse, Replicate(), Replicate(), on_bias or Replicate()],
+            [Shard(dim)] * 3 + [on_bias] + rest))
     return strategies
 
 
