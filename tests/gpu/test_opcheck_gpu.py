@@ -9,6 +9,8 @@ must describe what cuDNN really returns.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -35,6 +37,7 @@ def test_opcheck_pad_keys(mask_kind, ow):
 
 
 # Plan bits (csrc/plan.cpp): padding_mask 1, pad_keys_backward 2, pad_query_backward 8.
+SHIFT_SCORES = 16
 LEAF_CASES = {"none": (0, 128, 1), "padding_mask": (1, 128, 1),
               "padding_mask+pad_keys_backward": (3, 128, 1),
               "padding_mask+pad_query_backward": (9, 1, 1), "gqa": (1, 128, 2)}
@@ -50,11 +53,32 @@ def test_opcheck_cudnn_leaf_ops(case, mask_kind, ow):
     bias = None if mask is None else mask.expand(B, 1, s_q, S_KV)
     fwd = torch.ops.openwam._cudnn_sdpa.default
     torch.library.opcheck(fwd, (q, k, v, bias, 0.0, False, None, True, plan))
-    out, lse, seed, offset = fwd(q.detach(), k.detach(), v.detach(), bias, 0.0, False, None,
-                                 True, plan)
+    out, lse, seed, offset, _ = fwd(q.detach(), k.detach(), v.detach(), bias, 0.0, False, None,
+                                    True, plan)
     torch.library.opcheck(torch.ops.openwam._cudnn_sdpa_backward.default,
                           (torch.randn_like(out), q.detach(), k.detach(), v.detach(), bias,
                            out, lse, seed, offset, 0.0, False, None, plan))
+
+
+def test_opcheck_key_mask_shifted_in_the_forward(ow):
+    """A bool key mask on the key tail (plan shift_scores, on cuDNN 9.19.0):
+    the forward shifts (csrc/score_shift.h), its fifth output the raised bias
+    as the Meta kernel lays it out, and the backward reads that bias with a
+    plan that no longer shifts. Through the public op too."""
+    q, k, v = cuda_qkv(B, H, S_Q, S_KV, D, seed=12, requires_grad=True)
+    keep = torch.rand(B, 1, 1, S_KV, device="cuda", generator=torch.Generator(
+        device="cuda").manual_seed(13)) < 0.8
+    keep[..., 0] = True
+    torch.library.opcheck(torch.ops.openwam.sdpa.default, (q, k, v, keep))
+    bias = torch.zeros(B, 1, 1, S_KV, device="cuda", dtype=q.dtype).masked_fill(~keep, -math.inf)
+    fwd = torch.ops.openwam._cudnn_sdpa.default
+    torch.library.opcheck(fwd, (q, k, v, bias, 0.0, False, None, True, SHIFT_SCORES))
+    out, lse, seed, offset, raised = fwd(q.detach(), k.detach(), v.detach(), bias, 0.0, False,
+                                         None, True, SHIFT_SCORES)
+    assert raised.shape == bias.shape
+    torch.library.opcheck(torch.ops.openwam._cudnn_sdpa_backward.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), raised,
+                           out, lse, seed, offset, 0.0, False, None, 0))
 
 
 @pytest.mark.parametrize("shape", [(B, 1, S_Q, 1), (1, 1, 1, 1), (B, H, S_Q, 1)])
