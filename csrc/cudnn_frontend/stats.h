@@ -24,6 +24,8 @@ struct Stats {
   // Padding-mask backwards whose full lengths were written for the call
   // alone, not read from the device's table (full_lengths.h says when).
   std::atomic<int64_t> lengths_written_per_call{0};
+  // Calls whose backward runs on shifted scores, counted where the shift runs
+  // (a key mask's in the forward: score_shift.h).
   std::atomic<int64_t> score_shift_backwards{0};
 };
 

@@ -215,6 +215,9 @@ def _cudnn_sdpa_rule(query, key, value, attn_bias, dropout_p, is_causal, scale,
         # An empty logsumexp (compute_log_sumexp=False) has no dim to shard.
         lse = Shard(dim) if compute_log_sumexp else Replicate()
         # raised_bias has the bias's dims (its keys maybe 0), [0] without one.
+        # A replicated key mask under a head-sharded q is raised by each
+        # rank's own heads (score_shift.h): the replicas may differ, and
+        # each rank's backward reads only its own.
         on_bias = _bias_placement(attn_bias, dim)
         strategies.append((
             [Shard(dim), lse, Replicate(), Replicate(), on_bias or Replicate()],

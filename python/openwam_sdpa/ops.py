@@ -207,8 +207,10 @@ def frontend_stats(reset: bool = False) -> dict:
     that ran with cuDNN's padding mask (the fix without a bool mask), those of
     them that wrote the mask's lengths for the call alone (a new configuration
     inside a CUDA-graph capture, or the device's table of lengths full;
-    otherwise a configuration writes them once), and backward calls that ran
-    on shifted scores (a bool mask's fix). Host counters: reading them
+    otherwise a configuration writes them once), and calls whose backward
+    runs on shifted scores (a bool mask's fix; counted where the shift runs:
+    a key mask's in its training forward, any other mask's in the backward).
+    Host counters: reading them
     never synchronises; a CUDA graph replay counts nothing. reset=True zeroes
     them (not the list)."""
     return _C.frontend_stats(reset)
