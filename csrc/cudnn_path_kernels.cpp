@@ -182,7 +182,7 @@ void check_finite_gradients(const at::Tensor& dq, const at::Tensor& dk,
 // with no keys (so that it has the bias's dims, which the DTensor rule
 // places as the bias), [0] without a bias. Meta kernel and kernels alike.
 at::Tensor no_raised_bias(const at::Tensor& query, const std::optional<at::Tensor>& bias) {
-  if (!bias.has_value()) {
+  if (!bias.has_value() || bias->dim() == 0) {
     return at::empty({0}, query.options());
   }
   std::vector<c10::SymInt> sizes(bias->sym_sizes().begin(), bias->sym_sizes().end());
@@ -191,21 +191,24 @@ at::Tensor no_raised_bias(const at::Tensor& query, const std::optional<at::Tenso
 }
 
 // The forward's outputs as the op's schema gives them. Where the call shifts
-// its scores in the forward (`shift`: shifts_in_forward), its logsumexp is
-// shifted in place and the raised copy of `bias` (the bias it ran on) is the
-// last output.
+// its scores in the forward (shifts_in_forward), its logsumexp is shifted in
+// place and the raised copy of the caller's `attn_bias` (its keys s_kv, as
+// the predicate asks) is the last output, laid out as the Meta kernel says:
+// not that of an aligned copy the ATen fallback may have run on.
 Tensors5 finish_forward(CudnnForward f, const at::Tensor& query, bool compute_log_sumexp,
-                        double dropout_p, bool shift, const at::Tensor& bias,
+                        double dropout_p, const Plan& plan, int64_t s_kv,
                         const std::optional<at::Tensor>& attn_bias) {
   if (!compute_log_sumexp) {
     f.logsumexp = at::empty({0}, query.options().dtype(at::kFloat));
   }
   at::Tensor raised;
-  if (shift) {
+  if (shifts_in_forward(plan, attn_bias, s_kv, compute_log_sumexp)) {
+    // Both engines write a contiguous [B, H, L, 1] logsumexp (ATen's cuDNN
+    // attention too, torch 2.11); another layout is copied, not asserted on.
     if (!f.logsumexp.is_contiguous()) {
       f.logsumexp = f.logsumexp.contiguous();
     }
-    raised = shift_scores_in_forward(bias, f.logsumexp);
+    raised = shift_scores_in_forward(*attn_bias, f.logsumexp);
   } else {
     raised = no_raised_bias(query, attn_bias);
   }
@@ -347,25 +350,20 @@ void check_forward_plan(const char* op, const Plan& plan, const std::optional<at
               ": the plan shift_scores is for calls with a bias (a bool mask's), got none");
 }
 
-// The kernels of the two ops for an engine (registered below per dispatch key).
+// The engine's forward with the plan's padded inputs (checked by the caller).
 template <const Engine& engine>
-Tensors5 forward_with_plan(const at::Tensor& query, const at::Tensor& key,
-                           const at::Tensor& value,
-                           const std::optional<at::Tensor>& attn_bias, double dropout_p,
-                           bool is_causal, std::optional<double> scale,
-                           bool compute_log_sumexp, int64_t plan_bits) {
-  check_leaf_inputs("openwam::_cudnn_sdpa", {query, key, value, attn_bias}, engine.cuda);
+CudnnForward engine_forward(const at::Tensor& query, const at::Tensor& key,
+                            const at::Tensor& value, const std::optional<at::Tensor>& attn_bias,
+                            double dropout_p, bool is_causal, std::optional<double> scale,
+                            bool compute_log_sumexp, const Plan& plan) {
   if (engine.cuda && !(is_aligned(query) && is_aligned(key) && is_aligned(value) &&
                        is_aligned(attn_bias))) {
     // cuDNN takes 16-byte aligned operands (aligned_operand.h): the ATen
     // fallback as the frontend's engines.
-    return forward_with_plan<engine>(aligned_operand(query), aligned_operand(key),
-                                     aligned_operand(value), aligned_operand(attn_bias),
-                                     dropout_p, is_causal, scale, compute_log_sumexp,
-                                     plan_bits);
+    return engine_forward<engine>(aligned_operand(query), aligned_operand(key),
+                                  aligned_operand(value), aligned_operand(attn_bias), dropout_p,
+                                  is_causal, scale, compute_log_sumexp, plan);
   }
-  const Plan plan = plan_of_call("openwam::_cudnn_sdpa", plan_bits, dropout_p, query);
-  check_forward_plan("openwam::_cudnn_sdpa", plan, attn_bias, is_causal, query);
   at::Tensor k = key, v = value;
   at::Tensor bias = bias_keys(attn_bias.value_or(at::Tensor()), key.size(2));
   bool causal = is_causal;
@@ -375,10 +373,22 @@ Tensors5 forward_with_plan(const at::Tensor& query, const at::Tensor& key,
     PaddedKeys p = pad_keys_for_cudnn(query, key, value, bias, is_causal);
     k = p.key, v = p.value, bias = p.bias, causal = false;
   }
-  const bool shift = shifts_in_forward(plan, attn_bias, key.size(2), compute_log_sumexp);
-  return finish_forward(
-      engine.forward(query, k, v, bias, compute_log_sumexp, dropout_p, causal, scale), query,
-      compute_log_sumexp, dropout_p, shift, bias, attn_bias);
+  return engine.forward(query, k, v, bias, compute_log_sumexp, dropout_p, causal, scale);
+}
+
+// The kernels of the two ops for an engine (registered below per dispatch key).
+template <const Engine& engine>
+Tensors5 forward_with_plan(const at::Tensor& query, const at::Tensor& key,
+                           const at::Tensor& value,
+                           const std::optional<at::Tensor>& attn_bias, double dropout_p,
+                           bool is_causal, std::optional<double> scale,
+                           bool compute_log_sumexp, int64_t plan_bits) {
+  check_leaf_inputs("openwam::_cudnn_sdpa", {query, key, value, attn_bias}, engine.cuda);
+  const Plan plan = plan_of_call("openwam::_cudnn_sdpa", plan_bits, dropout_p, query);
+  check_forward_plan("openwam::_cudnn_sdpa", plan, attn_bias, is_causal, query);
+  return finish_forward(engine_forward<engine>(query, key, value, attn_bias, dropout_p, is_causal,
+                                               scale, compute_log_sumexp, plan),
+                        query, compute_log_sumexp, dropout_p, plan, key.size(2), attn_bias);
 }
 
 template <const Engine& engine>
@@ -553,9 +563,8 @@ Tensors5 frontend_forward(const at::Tensor& query, const at::Tensor& key,
   const at::Tensor bias = bias_keys(attn_bias.value_or(at::Tensor()), key.size(2));
   if (frontend::sdpa_forward(query, key, value, bias, compute_log_sumexp, dropout_p, is_causal,
                              scale, plan.padding_mask, prepare_backward, f, why_not)) {
-    return finish_forward(std::move(f), query, compute_log_sumexp, dropout_p,
-                          shifts_in_forward(plan, attn_bias, key.size(2), compute_log_sumexp),
-                          bias, attn_bias);
+    return finish_forward(std::move(f), query, compute_log_sumexp, dropout_p, plan, key.size(2),
+                          attn_bias);
   }
   note_fallback(why_not, plan);
   return forward_with_plan<kAtenEngine>(query, key, value, attn_bias, dropout_p, is_causal,

@@ -71,7 +71,9 @@ void shift_cpu(const at::Tensor& bias, const at::Tensor& out, const at::Tensor& 
 // The shift (lse_out given) or the restore (lse_out null), on checked rows.
 void run(const at::Tensor& bias, const at::Tensor& out, const at::Tensor& logsumexp,
          float* lse_out, float* shifts, const ShiftRows& rows) {
-  if (rows.groups() == 0 || rows.entries() == 0) {
+  // A row no logsumexp entry reads (no query rows or heads) keeps c = 0; a
+  // copy still writes it.
+  if (rows.groups() == 0 || (rows.entries() == 0 && bias.is_same(out))) {
     return;
   }
 #ifdef OPENWAM_WITH_CUDA
@@ -159,7 +161,7 @@ bool shifts_in_forward(const Plan& plan, const std::optional<at::Tensor>& bias,
 }
 
 at::Tensor shift_scores_in_forward(const at::Tensor& bias, const at::Tensor& logsumexp) {
-  check_shift_inputs(bias, logsumexp);
+  check_shift_inputs(bias, logsumexp);  // the forward's own logsumexp: contiguous
   const ShiftRows rows = shift_rows(bias, logsumexp);
   at::Tensor raised = at::empty_strided(bias.sizes(), bias.strides(), bias.options());
   run(bias, raised, logsumexp, logsumexp.data_ptr<float>(), nullptr, rows);

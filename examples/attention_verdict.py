@@ -55,11 +55,12 @@ def check_sizes(parser, args, width_flag, kv_heads, even_head_dim=False):
 
 def fix_text(stats):
     """What the cuDNN path did, from openwam_sdpa.frontend_stats() over the run:
-    backward calls that ran on shifted scores (a bool mask's fix) or with
-    cuDNN's padding mask (the others'), both on the op's own cuDNN graphs, and
+    calls whose backward runs on shifted scores (a bool mask's fix; a key
+    mask's shift runs in its forward) and backward calls that ran with
+    cuDNN's padding mask (the others' fix), both on the op's own cuDNN graphs, and
     calls that took ATen's cuDNN attention instead (a graph the frontend could
     not build). All 0 off the cuDNN path, e.g. on the CPU."""
-    return (f"backward calls on shifted scores: {stats['score_shift_backwards']}, "
+    return (f"calls on shifted scores: {stats['score_shift_backwards']}, "
             f"with cuDNN's padding mask: {stats['padding_mask_backwards']}, "
             f"calls on the ATen fallback: {stats['aten_fallback_calls']}")
 

@@ -21,7 +21,7 @@ STEP = re.compile(r"^step (\d+): loss (\S+)  grad norm (\S+)$", re.M)
 VERDICT = re.compile(r"^verdict: (finite|NOT finite): (.+); attention: (.+)$")
 CPU_NOTE = "note: no NaN to show here: the NaN demonstration needs a CUDA GPU with cuDNN attention"
 # The cuDNN path's work over the run (openwam_sdpa.frontend_stats()): none on the CPU.
-NO_CUDNN_WORK = ("backward calls on shifted scores: 0, with cuDNN's padding mask: 0, "
+NO_CUDNN_WORK = ("calls on shifted scores: 0, with cuDNN's padding mask: 0, "
                  "calls on the ATen fallback: 0")
 
 
@@ -157,7 +157,7 @@ def test_the_verdict_on_the_cuda_path_names_the_engine_and_the_fix():
     assert ex["verdict"]([], 2, first_call, stats) == (
         "verdict: finite: loss and gradients finite in all 2 steps; attention: openwam_sdpa, "
         "route cudnn (PyTorch picks cuDNN), plan padding_mask+pad_keys_backward, "
-        "rule key_tail_nan_dq_9.19, engine cudnn_frontend; backward calls on shifted scores: 3, "
+        "rule key_tail_nan_dq_9.19, engine cudnn_frontend; calls on shifted scores: 3, "
         "with cuDNN's padding mask: 4, calls on the ATen fallback: 1")
     # No rule, and the build without the frontend: ATen's cuDNN attention.
     first_call.plan = dict(first_call.plan, plan="padding_mask", rule="", engine="aten_cudnn")
@@ -165,7 +165,7 @@ def test_the_verdict_on_the_cuda_path_names_the_engine_and_the_fix():
     line = ex["verdict"]([1], 2, first_call, stats)
     assert VERDICT.match(line), line
     assert line.endswith("attention: openwam_sdpa, route cudnn (PyTorch picks cuDNN), plan "
-                         "padding_mask, engine aten_cudnn; backward calls on shifted scores: 0, "
+                         "padding_mask, engine aten_cudnn; calls on shifted scores: 0, "
                          "with cuDNN's padding mask: 0, calls on the ATen fallback: 0"), line
 
 

@@ -336,8 +336,9 @@ def measured(fn, device, *args, **kwargs):
         torch.cuda.synchronize(device)
         result["peak_memory_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     result["seconds"] = time.perf_counter() - start
-    # On this rank: backward calls that ran with cuDNN's padding mask or on
-    # shifted scores (the fixes), and calls that took ATen's cuDNN attention
+    # On this rank: backward calls that ran with cuDNN's padding mask, calls
+    # on shifted scores (the fixes; a key mask's shift runs in its forward),
+    # and calls that took ATen's cuDNN attention
     # instead (a graph the frontend could not build); 0 on the CPU.
     stats = openwam_sdpa.frontend_stats(reset=True)
     result["padding_mask_backwards"] = stats["padding_mask_backwards"]

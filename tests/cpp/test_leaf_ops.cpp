@@ -122,7 +122,9 @@ std::optional<at::Tensor> opt(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
-using Forward = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+// out, logsumexp, philox seed and offset, the raised bias (score_shift.h).
+using Forward = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+constexpr int64_t kShiftScores = 16;
 using Backward = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
 Forward forward(const LeafCase& c, int64_t plan, bool lse = true) {
@@ -131,12 +133,17 @@ Forward forward(const LeafCase& c, int64_t plan, bool lse = true) {
                                          in.dropout_p, in.is_causal, in.scale, lse, plan);
 }
 
+// As the autograd node calls it: after a forward that shifted (its raised
+// bias has keys), with the raised bias and a plan that no longer shifts.
 Backward backward(const LeafCase& c, const at::Tensor& grad_out, const Forward& f,
                   int64_t plan) {
   const Inputs& in = c.in;
+  const at::Tensor& raised = std::get<4>(f);
+  const bool shifted = raised.dim() > 0 && raised.size(-1) > 0;
   return openwam::ops::cudnn_sdpa_backward().call(
-      grad_out, in.query, in.key, in.value, opt(c.bias), std::get<0>(f), std::get<1>(f),
-      std::get<2>(f), std::get<3>(f), in.dropout_p, in.is_causal, in.scale, plan);
+      grad_out, in.query, in.key, in.value, shifted ? opt(raised) : opt(c.bias), std::get<0>(f),
+      std::get<1>(f), std::get<2>(f), std::get<3>(f), in.dropout_p, in.is_causal, in.scale,
+      shifted ? plan & ~kShiftScores : plan);
 }
 
 // Plans a call can carry: the single-row fix only for one query row.
@@ -174,7 +181,8 @@ void check_against_reference(at::TensorOptions options, double tolerance) {
     for (int64_t plan : plans_for(c)) {
       CAPTURE(c.name, Plan::from_int(plan).to_string());
       const Forward f = forward(c, plan);
-      const auto& [out, lse, seed, offset] = f;
+      const auto& [out, lse, seed, offset, raised] = f;
+      CHECK(raised.numel() == 0);  // no plan here shifts
       CHECK(same_layout(out, in.query));
       REQUIRE(lse.sizes() == at::IntArrayRef({in.query.size(0), in.query.size(1),
                                               in.query.size(2), 1}));
@@ -284,7 +292,12 @@ TEST_CASE("_cudnn_sdpa: the Meta kernels give the CPU kernels' layouts", "[leaf_
   for (const LeafCase& c : leaf_cases(kBF16)) {
     const LeafCase m = on_meta(c);
     const at::Tensor grad_out = at::randn(c.in.query.sizes(), kBF16);
-    for (int64_t plan : plans_for(c)) {
+    std::vector<int64_t> plans = plans_for(c);
+    if (c.bias.defined() && c.bias.dim() == 4 && c.bias.size(-1) == c.in.key.size(2) &&
+        c.bias.stride(-1) == 1 && c.in.dropout_p == 0.0) {
+      plans.push_back(kShiftScores);  // a bias of one query row shifts in the forward
+    }
+    for (int64_t plan : plans) {
       for (bool lse : {true, false}) {
         CAPTURE(c.name, Plan::from_int(plan).to_string(), lse);
         const Forward f = forward(c, plan, lse);
@@ -294,6 +307,7 @@ TEST_CASE("_cudnn_sdpa: the Meta kernels give the CPU kernels' layouts", "[leaf_
         CHECK(same_layout(std::get<1>(fm), std::get<1>(f)));
         CHECK(same_layout(std::get<2>(fm), std::get<2>(f)));
         CHECK(same_layout(std::get<3>(fm), std::get<3>(f)));
+        CHECK(same_layout(std::get<4>(fm), std::get<4>(f)));
         if (!lse) {
           CHECK(std::get<1>(f).sizes() == at::IntArrayRef({0}));
           continue;
