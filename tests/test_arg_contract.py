@@ -378,9 +378,17 @@ def test_key_value_length_mismatch_raises(ow, entry, case):
         assert message == (f"openwam::sdpa: value must have the same sequence length as key "
                            f"({s_kv}), got {s_v}"), message  # one line: no C++ backtrace
     else:
-        # F.sdpa raises below 4-D (its math backend's matmuls): its error, type
-        # and words (the op's own had replaced it; found in review).
-        assert outcome(F_SDPA, *args, **kwargs) == (type(info.value), message)
+        stock = outcome(F_SDPA, *args, **kwargs)
+        if stock[0] == "ok":
+            # torch 2.15's CPU flash kernel takes 3-D calls and does not check
+            # value's length (it reads past value's rows; the math backend
+            # refuses the call, below): the op keeps its own error.
+            assert message == (f"openwam::sdpa: value must have the same sequence length as "
+                               f"key ({s_kv}), got {s_v}"), message
+        else:
+            # F.sdpa raises below 4-D (its math backend's matmuls): its error,
+            # type and words (the op's own had replaced it; found in review).
+            assert stock == (type(info.value), message)
     # PyTorch's math backend refuses the call too, with the same type.
     with sdpa_kernel(SDPBackend.MATH), pytest.raises(RuntimeError):
         F_SDPA(*args, **kwargs)
@@ -429,7 +437,12 @@ def test_f_sdpas_own_error_comes_first(ow, case):
     args = make()
     stock = outcome(F_SDPA, *args, **kwargs)
     ours = outcome(ow.sdpa, *args, **kwargs)
-    if stock[0] == "ok":
+    if stock[0] == "ok" and case.endswith("_meta_mask"):
+        # torch 2.15's math backend runs a CPU call with a meta mask, which
+        # holds no values (its output is not an all-True mask's): a silent
+        # answer the op does not give. It refuses, as F.sdpa on 2.11-2.14 does.
+        assert ours[0] is RuntimeError and "attn_mask is on meta" in ours[1], ours
+    elif stock[0] == "ok":
         assert ours[0] == "ok" and ours[1].shape == stock[1].shape
     else:
         assert ours == stock
