@@ -380,9 +380,9 @@ def test_key_value_length_mismatch_raises(ow, entry, case):
     else:
         stock = outcome(F_SDPA, *args, **kwargs)
         if stock[0] == "ok":
-            # torch 2.15's CPU flash kernel takes 3-D calls and does not check
-            # value's length (it reads past value's rows; the math backend
-            # refuses the call, below): the op keeps its own error.
+            # The CPU flash kernel of torch 2.14.1 and 2.15 takes 3-D calls and
+            # does not check value's length (it reads past value's rows; the
+            # math backend refuses the call, below): the op keeps its own error.
             assert message == (f"openwam::sdpa: value must have the same sequence length as "
                                f"key ({s_kv}), got {s_v}"), message
         else:
@@ -438,9 +438,10 @@ def test_f_sdpas_own_error_comes_first(ow, case):
     stock = outcome(F_SDPA, *args, **kwargs)
     ours = outcome(ow.sdpa, *args, **kwargs)
     if stock[0] == "ok" and case.endswith("_meta_mask"):
-        # torch 2.15's math backend runs a CPU call with a meta mask, which
-        # holds no values (its output is not an all-True mask's): a silent
-        # answer the op does not give. It refuses, as F.sdpa on 2.11-2.14 does.
+        # torch 2.14.1 and 2.15's math backend runs a CPU call with a meta
+        # mask, which holds no values (its output is not an all-True mask's):
+        # a silent answer the op does not give. It refuses, as F.sdpa on 2.13
+        # does.
         assert ours[0] is RuntimeError and "attn_mask is on meta" in ours[1], ours
     elif stock[0] == "ok":
         assert ours[0] == "ok" and ours[1].shape == stock[1].shape

@@ -231,8 +231,8 @@ TEST_CASE("openwam::sdpa refuses value shorter or longer than key", "[dispatcher
   // PyTorch's fused CPU kernel reads value with key's length (past a shorter
   // value's end); its math backend refuses. The op refuses at every rank:
   // below 4-D F.sdpa runs its math backend and refuses itself, and its error
-  // comes first (found in review). From torch 2.15 the fused kernel takes
-  // 3-D calls too and F.sdpa no longer refuses them: the op's own error.
+  // comes first (found in review). On torch 2.14.1 and 2.15 the fused kernel
+  // takes 3-D calls too and F.sdpa no longer refuses them: the op's own error.
   ScopedSettings defaults;
   at::Tensor q = at::randn({2, 3, 7, 16}, kF64);
   at::Tensor k = at::randn({2, 3, 45, 16}, kF64);
