@@ -93,12 +93,12 @@ def _distributed(mesh, placements, *tensors, leaves=0):
             for i, (t, p) in enumerate(zip(tensors, placements))]
 
 
-def _assert_same(got, want, what):
+def _assert_same(got, want, what, **tolerance):
     from torch.distributed.tensor import DTensor
 
     if isinstance(got, DTensor):
         got = got.full_tensor()
-    torch.testing.assert_close(got, want, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(got, want, **tolerance, msg=lambda m: f"{what}: {m}")
 
 
 # ------------------------------------------------------------------- cases
@@ -196,8 +196,7 @@ def key_mask_shifted_in_the_forward(mesh):
         if dim == 0:
             _assert_same(lse, want[1], "shifted lse, batch-sharded")
         for name, t, w in zip(("dq", "dk", "dv"), (dq, dk, dv), want[2:]):
-            torch.testing.assert_close(t.grad.full_tensor(), w, **tolerance[dim],
-                                       msg=lambda m: f"{name}, dim {dim}: {m}")
+            _assert_same(t.grad, w, f"{name}, dim {dim}", **tolerance[dim])
 
 
 @case
