@@ -399,6 +399,44 @@ def zero_gradient_floor(name, q, k, v, go, scale=None) -> float:
     return 4 * ulp_at_max(torch.tensor(size), torch.float32)
 
 
+def tensor_core_attention(q, k, v, go, dtype, is_causal=False, scale=None) -> Attn:
+    """Attention on one sequence by a kernel that rounds only what a
+    tensor-core kernel must: exact arithmetic, except that the probabilities
+    P and the score gradients dS are rounded to `dtype` before the products
+    that take them (O = P V, dV = P^T dO, dQ = dS K, dK = dS^T Q), the
+    backward reads the output in `dtype` (delta = dO . O), and each result is
+    rounded to `dtype`. FlashAttention-2, efficient attention and cuDNN all
+    feed their tensor cores so. Its error against the exact result is the
+    floor of a rule that compares kernels on one sequence: where the keys
+    share a large component (the adversarial rows' keys) the products' terms
+    cancel, and the rounding of dS leaves errors far above an ulp of dQ, by
+    an amount each kernel draws differently. out, dQ, dK, dV in float64; q
+    and go are (s_q, heads, head_dim), k and v (s_k, kv_heads, head_dim), and
+    the results take the same layouts; is_causal aligns top-left, as F.sdpa."""
+    kv_heads, rep = k.shape[1], q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    heads_first = lambda t: t.detach().double().transpose(0, 1)  # noqa: E731
+    q, go = heads_first(q), heads_first(go)
+    k, v = (heads_first(t).repeat_interleave(rep, 0) for t in (k, v))
+    s = scale * q @ k.transpose(-1, -2)
+    if is_causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool,
+                                     device=s.device).triu(1), -math.inf)
+    p = torch.softmax(s, -1).nan_to_num()  # a query without keys: zero output
+    rounded = lambda t: t.to(dtype).double()  # noqa: E731
+    out = rounded(rounded(p) @ v)
+    ds = p * (go @ v.transpose(-1, -2) - (go * out).sum(-1, keepdim=True))
+
+    def packed(t, by_key_head=False):  # a key head's gradient sums its query heads'
+        if by_key_head:
+            t = t.reshape(kv_heads, rep, *t.shape[1:]).sum(1)
+        return rounded(t).transpose(0, 1)
+
+    return Attn(packed(out), packed(scale * rounded(ds) @ k),
+                packed(scale * rounded(ds).transpose(-1, -2) @ q, True),
+                packed(rounded(p).transpose(-1, -2) @ go, True))
+
+
 STOCK_FACTOR = 2.0
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from support import (contract_clause, packed_yardstick, replayed_cases, within_key_padded,
-                     zero_gradient_floor)
+from support import (contract_clause, floor_for, packed_yardstick, replayed_cases,
+                     tensor_core_attention, within_key_padded, zero_gradient_floor)
 
 NAN, INF = math.nan, math.inf
 
@@ -130,6 +130,74 @@ def test_zero_gradient_floor_of_an_empty_sequence_is_zero():
     for name in ("dq", "dk"):
         assert zero_gradient_floor(name, torch.empty(0, 2, 64), torch.empty(0, 1, 64),
                                    torch.empty(0, 1, 64), torch.empty(0, 2, 64)) == 0.0
+
+
+def sequence_sdpa(q, k, v, go, is_causal, cast):
+    """F.sdpa on one sequence in the packed layout, inputs through `cast`:
+    out, dQ, dK, dV in float64."""
+    rep = q.shape[1] // k.shape[1]
+    heads_first = lambda t: t.transpose(0, 1)[None]  # noqa: E731
+    leaves = [cast(t).clone().requires_grad_() for t in (q, k, v)]
+    qs, ks, vs = leaves
+    out = F.scaled_dot_product_attention(
+        heads_first(qs), heads_first(ks).repeat_interleave(rep, 1),
+        heads_first(vs).repeat_interleave(rep, 1), is_causal=is_causal)[0].transpose(0, 1)
+    grads = torch.autograd.grad(out, leaves, cast(go))
+    return [out.detach().double()] + [g.double() for g in grads]
+
+
+def keys_sharing(common, s_q, s_k, heads, kv_heads, head_dim, seed=0):
+    """q, k, v, go with a component of size `common` shared by every key."""
+    g = torch.Generator().manual_seed(seed)
+    q, go = (torch.randn(s_q, heads, head_dim, generator=g) for _ in range(2))
+    k, v = (torch.randn(s_k, kv_heads, head_dim, generator=g) for _ in range(2))
+    return q, k + common * torch.randn(1, kv_heads, head_dim, generator=g), v, go
+
+
+@pytest.mark.parametrize("s_q, s_k, heads, kv_heads, is_causal", [
+    (64, 64, 2, 1, False), (37, 90, 4, 2, True), (90, 37, 2, 2, True), (1, 5, 4, 1, True)])
+def test_tensor_core_attention_in_float64_is_sdpa(s_q, s_k, heads, kv_heads, is_causal):
+    # Rounding to float64 rounds nothing: the layouts, the top-left causal
+    # alignment and the key heads' sums must be F.sdpa's.
+    q, k, v, go = (t.double() for t in keys_sharing(3.0, s_q, s_k, heads, kv_heads, 64))
+    got = tensor_core_attention(q, k, v, go, torch.float64, is_causal)
+    for name, x, ref in zip(("out", "dq", "dk", "dv"), got,
+                            sequence_sdpa(q, k, v, go, is_causal, lambda t: t)):
+        assert x.shape == ref.shape and float((x - ref).abs().max()) < 1e-12, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tensor_core_rounding_is_a_kernels_error_and_grows_with_shared_keys(dtype):
+    # The floor of varlen's per-sequence comparison: the error of rounding
+    # P and dS to the input dtype. With keys that share a large component dQ's
+    # products cancel and its error grows far past an ulp of dQ (the contract's
+    # quarter-ulp floor), out's and dV's do not; PyTorch's fused CPU kernel
+    # makes errors of the same size; on ordinary keys it stays below 2^-6 of
+    # the result, and on shared keys a delta 5% off lies ten floors above it
+    # (1% off, three: the size of dS's rounding, 2^-9 in bf16).
+    def errors(common):
+        q, k, v, go = (t.to(dtype) for t in keys_sharing(common, 64, 64, 2, 1, 64))
+        ref = sequence_sdpa(q, k, v, go, False, lambda t: t.double())
+        floor = [float((x - r).abs().max())
+                 for x, r in zip(tensor_core_attention(q, k, v, go, dtype), ref)]
+        cpu = [float((x - r).abs().max())
+               for x, r in zip(sequence_sdpa(q, k, v, go, False, lambda t: t), ref)]
+        return floor, cpu, ref
+
+    (floor, cpu, ref), (floor20, cpu20, ref20) = errors(0.0), errors(20.0)
+    assert all(0 < f < 2 ** -6 * float(r.abs().max()) for f, r in zip(floor, ref))
+    assert floor20[1] > 10 * floor[1] and floor20[1] > 10 * floor_for(ref20[1], dtype)
+    for grown, plain in ((floor20[0], floor[0]), (floor20[3], floor[3])):
+        assert grown < 3 * plain
+    for f, c in zip(floor + floor20, cpu + cpu20):
+        assert f / 4 < c < 4 * f, (floor, cpu, floor20, cpu20)
+    # Shared keys: dQ with delta 5% off, scale * P * (-0.05 delta) * K.
+    q, k, v, go = (t.double().transpose(0, 1).repeat_interleave(2 // t.shape[1], 0)
+                   for t in keys_sharing(20.0, 64, 64, 2, 1, 64))
+    p = torch.softmax(64 ** -0.5 * q @ k.transpose(-1, -2), -1)
+    delta = (p * (go @ v.transpose(-1, -2))).sum(-1, keepdim=True)
+    wrong = 64 ** -0.5 * (p * 0.05 * delta) @ k
+    assert float(wrong.abs().max()) > 10 * floor20[1]
 
 
 def test_replayed_cases(monkeypatch):
