@@ -247,7 +247,7 @@ def check(i: int, c: dict, backends: dict, worst: dict, admitted: set,
         sees_one_key = one_key or (c["causal"] and q1 - q0 == 1)  # exact dQ = dK = 0
         # Adversarial rows that see more than one key (see the module's docstring).
         rows = [r - q0 for r in low if q0 <= r < q1 and not (one_key or c["causal"] and r == q0)]
-        for n_i, n in enumerate(sweep.Attn._fields):
+        for n in sweep.Attn._fields:
             r = getattr(ref, n)
             skip = rows if n == "dq" and rows else None
             errs = {be: sweep.max_err(getattr(s, n), r, skip) for be, s in stock.items()}
@@ -267,7 +267,7 @@ def check(i: int, c: dict, backends: dict, worst: dict, admitted: set,
                 worst[n] = max(worst.get(n, 0.0), err / best)
             # (case, sequence, tensor, head_dim, engine) + (error, best of three, floor)
             literal.count((i, b, n, c["D"], engine),
-                          {"op": err, **({"fa2": sweep.max_err(varlen[n_i], r, skip)}
+                          {"op": err, **({"fa2": sweep.max_err(getattr(varlen, n), r, skip)}
                                          if varlen else {})},
                           best, floor, sweep.max_err(getattr(tc, n), r, skip))
             problem = twice_stock_problem(f"{n} of sequence {b}", err, yard, floor)
