@@ -81,22 +81,31 @@ def test_within_key_padded(err, key_padded, floor, expected):
     assert within_key_padded(err, key_padded, floor) is expected
 
 
+def sequence_sdpa(q, k, v, go, is_causal, cast):
+    """F.sdpa on one sequence in the packed layout, inputs through `cast`:
+    out, dQ, dK, dV in float64."""
+    rep = q.shape[1] // k.shape[1]
+    heads_first = lambda t: t.transpose(0, 1)[None]  # noqa: E731
+    leaves = [cast(t).clone().requires_grad_() for t in (q, k, v)]
+    qs, ks, vs = leaves
+    out = F.scaled_dot_product_attention(
+        heads_first(qs), heads_first(ks).repeat_interleave(rep, 1),
+        heads_first(vs).repeat_interleave(rep, 1), is_causal=is_causal)[0].transpose(0, 1)
+    grads = torch.autograd.grad(out, leaves, cast(go))
+    return [out.detach().double()] + [g.double() for g in grads]
+
+
 def zero_key_noise(q, k, v, go, is_causal):
     """PyTorch's fused CPU kernel's dQ and dK where every query sees key 0
     alone (their exact value 0), with the head_dim's summation order permuted
     eight times: the largest magnitude of each."""
     g = torch.Generator().manual_seed(q.shape[0])
-    rep = q.shape[1] // k.shape[1]
-    heads_first = lambda t: t.transpose(0, 1)[None]  # noqa: E731
     noise = {"dq": 0.0, "dk": 0.0}
     for _ in range(8):
         idx = torch.randperm(q.shape[-1], generator=g)
-        qs, ks, vs = (t[..., idx].clone().requires_grad_() for t in (q, k, v))
-        out = F.scaled_dot_product_attention(
-            heads_first(qs), heads_first(ks).repeat_interleave(rep, 1),
-            heads_first(vs).repeat_interleave(rep, 1), is_causal=is_causal)
-        grads = torch.autograd.grad(out, (qs, ks), heads_first(go[..., idx]))
-        for n, grad in zip(("dq", "dk"), grads):
+        _, dq, dk, _ = sequence_sdpa(*(t[..., idx] for t in (q, k, v, go)), is_causal,
+                                     lambda t: t)
+        for n, grad in zip(("dq", "dk"), (dq, dk)):
             noise[n] = max(noise[n], float(grad.abs().max()))
     return noise
 
@@ -130,20 +139,6 @@ def test_zero_gradient_floor_of_an_empty_sequence_is_zero():
     for name in ("dq", "dk"):
         assert zero_gradient_floor(name, torch.empty(0, 2, 64), torch.empty(0, 1, 64),
                                    torch.empty(0, 1, 64), torch.empty(0, 2, 64)) == 0.0
-
-
-def sequence_sdpa(q, k, v, go, is_causal, cast):
-    """F.sdpa on one sequence in the packed layout, inputs through `cast`:
-    out, dQ, dK, dV in float64."""
-    rep = q.shape[1] // k.shape[1]
-    heads_first = lambda t: t.transpose(0, 1)[None]  # noqa: E731
-    leaves = [cast(t).clone().requires_grad_() for t in (q, k, v)]
-    qs, ks, vs = leaves
-    out = F.scaled_dot_product_attention(
-        heads_first(qs), heads_first(ks).repeat_interleave(rep, 1),
-        heads_first(vs).repeat_interleave(rep, 1), is_causal=is_causal)[0].transpose(0, 1)
-    grads = torch.autograd.grad(out, leaves, cast(go))
-    return [out.detach().double()] + [g.double() for g in grads]
 
 
 def keys_sharing(common, s_q, s_k, heads, kv_heads, head_dim, seed=0):
